@@ -1,0 +1,56 @@
+"""NumPy reference of DESIGN.md's LARS rule, written independently of tf_lars."""
+
+import numpy as np
+
+
+def dense_step(w, g, v, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
+               epsilon=0.0, nesterov=False, classic_momentum=True, trust_ratio="paper",
+               decay_in_gradient=True, trust_clip=False, decayed=True, adapted=True):
+    """One LARS step on one variable in float64. Returns (w, v, T)."""
+    w = np.asarray(w, np.float64)
+    g = np.asarray(g, np.float64)
+    v = np.asarray(v, np.float64)
+    wd = weight_decay if decayed else 0.0
+    g_applied = g + wd * w if decay_in_gradient else g
+    w_norm = np.linalg.norm(w.ravel())
+    if not adapted:
+        ratio = 1.0
+    elif trust_ratio == "paper":
+        g_norm = np.linalg.norm(g.ravel())
+        ratio = (trust_coefficient * w_norm / (g_norm + wd * w_norm + epsilon)
+                 if w_norm > 0 and g_norm > 0 else 1.0)
+    else:
+        g_norm = np.linalg.norm(g_applied.ravel())
+        ratio = (trust_coefficient * w_norm / (g_norm + epsilon)
+                 if w_norm > 0 and g_norm > 0 else 1.0)
+    rate = min(ratio, lr) if (trust_clip and adapted) else lr * ratio
+    if momentum == 0:
+        return w - rate * g_applied, v, ratio
+    if classic_momentum:
+        v = momentum * v + rate * g_applied
+        step = momentum * v + rate * g_applied if nesterov else v
+    else:
+        v = momentum * v + g_applied
+        step = rate * (g_applied + momentum * v) if nesterov else rate * v
+    return w - step, v, ratio
+
+
+def sparse_step(w, v, indices, values, lr, *, momentum=0.9, nesterov=False,
+                classic_momentum=True, **unused):
+    """Row-wise momentum on touched rows, duplicates summed first."""
+    w = np.array(w, np.float64)
+    v = np.array(v, np.float64)
+    summed = {}
+    for i, row in zip(indices, values):
+        summed[int(i)] = summed.get(int(i), 0.0) + np.asarray(row, np.float64)
+    for i, g in summed.items():
+        if momentum == 0:
+            w[i] -= lr * g
+            continue
+        if classic_momentum:
+            v[i] = momentum * v[i] + lr * g
+            w[i] -= momentum * v[i] + lr * g if nesterov else v[i]
+        else:
+            v[i] = momentum * v[i] + g
+            w[i] -= lr * (g + momentum * v[i]) if nesterov else lr * v[i]
+    return w, v
