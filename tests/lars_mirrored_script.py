@@ -27,7 +27,11 @@ GLOBAL_BATCH = 32
 def make_model():
     keras.utils.set_random_seed(3)
     return keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
     )
 
 
@@ -60,7 +64,9 @@ for step in range(STEPS):
     yb = y[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
     with tf.GradientTape() as tape:
         loss = loss_fn(single, xb, yb)
-    single_opt.apply(tape.gradient(loss, single.trainable_variables), single.trainable_variables)
+    single_opt.apply(
+        tape.gradient(loss, single.trainable_variables), single.trainable_variables
+    )
     single_ratios.append(single_opt.trust_ratios.numpy().copy())
 
 # Two replicas, half a batch each, custom loop under tf.function.

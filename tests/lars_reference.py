@@ -3,9 +3,24 @@
 import numpy as np
 
 
-def dense_step(w, g, v, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001,
-               epsilon=0.0, nesterov=False, classic_momentum=True, trust_ratio="paper",
-               decay_in_gradient=True, trust_clip=False, decayed=True, adapted=True):
+def dense_step(
+    w,
+    g,
+    v,
+    lr,
+    *,
+    momentum=0.9,
+    weight_decay=0.0,
+    trust_coefficient=0.001,
+    epsilon=0.0,
+    nesterov=False,
+    classic_momentum=True,
+    trust_ratio="paper",
+    decay_in_gradient=True,
+    trust_clip=False,
+    decayed=True,
+    adapted=True,
+):
     """One LARS step on one variable in float64. Returns (w, v, T)."""
     w = np.asarray(w, np.float64)
     g = np.asarray(g, np.float64)
@@ -17,12 +32,18 @@ def dense_step(w, g, v, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient
         ratio = 1.0
     elif trust_ratio == "paper":
         g_norm = np.linalg.norm(g.ravel())
-        ratio = (trust_coefficient * w_norm / (g_norm + wd * w_norm + epsilon)
-                 if w_norm > 0 and g_norm > 0 else 1.0)
+        ratio = (
+            trust_coefficient * w_norm / (g_norm + wd * w_norm + epsilon)
+            if w_norm > 0 and g_norm > 0
+            else 1.0
+        )
     else:
         g_norm = np.linalg.norm(g_applied.ravel())
-        ratio = (trust_coefficient * w_norm / (g_norm + epsilon)
-                 if w_norm > 0 and g_norm > 0 else 1.0)
+        ratio = (
+            trust_coefficient * w_norm / (g_norm + epsilon)
+            if w_norm > 0 and g_norm > 0
+            else 1.0
+        )
     rate = min(ratio, lr) if (trust_clip and adapted) else lr * ratio
     if momentum == 0:
         return w - rate * g_applied, v, ratio
@@ -35,8 +56,18 @@ def dense_step(w, g, v, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient
     return w - step, v, ratio
 
 
-def sparse_step(w, v, indices, values, lr, *, momentum=0.9, nesterov=False,
-                classic_momentum=True, **unused):
+def sparse_step(
+    w,
+    v,
+    indices,
+    values,
+    lr,
+    *,
+    momentum=0.9,
+    nesterov=False,
+    classic_momentum=True,
+    **unused,
+):
     """Row-wise momentum on touched rows, duplicates summed first."""
     w = np.array(w, np.float64)
     v = np.array(v, np.float64)

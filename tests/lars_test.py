@@ -295,7 +295,10 @@ def test_exclusions_match_variable_path():
     model = _two_layer_model()
     paths = [v.path for v in model.trainable_variables]
     assert paths == [
-        "net/hidden/kernel", "net/hidden/bias", "net/head/kernel", "net/head/bias"
+        "net/hidden/kernel",
+        "net/hidden/bias",
+        "net/head/kernel",
+        "net/head/bias",
     ]
     optimizer = tf_lars.LARS(
         learning_rate=0.5,
@@ -305,7 +308,9 @@ def test_exclusions_match_variable_path():
         exclude_from_layer_adaptation=["hidden/bias"],
     )
     rng = np.random.default_rng(0)
-    grads = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+    grads = [
+        rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables
+    ]
     before = [v.numpy() for v in model.trainable_variables]
     optimizer.apply([tf.constant(g) for g in grads], model.trainable_variables)
     decayed = [True, False, False, False]
@@ -370,7 +375,10 @@ def test_sparse_rows_with_duplicate_indices(config, compiled):
     variable = keras.Variable(table)
     optimizer = tf_lars.LARS(learning_rate=0.2, weight_decay=0.5, **config)
     optimizer.jit_compile = compiled
-    steps = [([1, 4, 1, 7], rng.normal(size=(4, 3))), ([4, 2, 2], rng.normal(size=(3, 3)))]
+    steps = [
+        ([1, 4, 1, 7], rng.normal(size=(4, 3))),
+        ([4, 2, 2], rng.normal(size=(3, 3))),
+    ]
     w = table.astype(np.float64)
     v = np.zeros_like(w)
     full = dict({"momentum": 0.9}, **config)
@@ -384,7 +392,9 @@ def test_sparse_rows_with_duplicate_indices(config, compiled):
     untouched = [0, 3, 5, 6, 8, 9]
     np.testing.assert_array_equal(variable.numpy()[untouched], table[untouched])
     if full["momentum"]:
-        np.testing.assert_allclose(optimizer.momentums[0].numpy(), v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            optimizer.momentums[0].numpy(), v, rtol=1e-5, atol=1e-6
+        )
         assert np.all(optimizer.momentums[0].numpy()[untouched] == 0)
 
 
@@ -421,7 +431,12 @@ def test_low_precision_variables_use_float32_norms(dtype):
     variable = keras.Variable(weights, dtype=dtype)
     optimizer.apply([tf.constant(grads, dtype=dtype)], [variable])
     want, _, ratio = ref.dense_step(
-        weights, grads, np.zeros_like(weights), 1.0, momentum=0.0, trust_coefficient=0.01
+        weights,
+        grads,
+        np.zeros_like(weights),
+        1.0,
+        momentum=0.0,
+        trust_coefficient=0.01,
     )
     assert math.isclose(ratio, 10.0)
     np.testing.assert_allclose(optimizer.trust_ratios.numpy(), [10.0], rtol=1e-6)
@@ -527,7 +542,9 @@ def test_get_config_holds_every_constructor_argument():
 def test_unknown_config_key_is_refused():
     config = tf_lars.LARS().get_config()
     config["eeta"] = 0.001
-    with pytest.raises(ValueError, match=r"Unknown key\(s\) in LARS config: \['eeta'\]"):
+    with pytest.raises(
+        ValueError, match=r"Unknown key\(s\) in LARS config: \['eeta'\]"
+    ):
         tf_lars.LARS.from_config(config)
 
 
@@ -561,11 +578,11 @@ def test_keras_save_load_continues_exactly(tmp_path):
     loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, tf_lars.LARS)
     assert loaded.optimizer.get_config() == model.optimizer.get_config()
-    for a, b in zip(
-        model.optimizer.variables, loaded.optimizer.variables, strict=True
-    ):
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    momentum_norm = sum(float(np.abs(m.numpy()).sum()) for m in model.optimizer.momentums)
+    momentum_norm = sum(
+        float(np.abs(m.numpy()).sum()) for m in model.optimizer.momentums
+    )
     assert momentum_norm > 0
     x, y = _regression_data()
     model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
@@ -584,7 +601,9 @@ def test_checkpoint_round_trip_continues_exactly(tmp_path):
 
     keras.utils.set_random_seed(99)  # different init, overwritten by restore
     fresh = _two_layer_model()
-    fresh.compile(optimizer=tf_lars.LARS.from_config(model.optimizer.get_config()), loss="mse")
+    fresh.compile(
+        optimizer=tf_lars.LARS.from_config(model.optimizer.get_config()), loss="mse"
+    )
     fresh.optimizer.build(fresh.trainable_variables)
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(
         prefix
@@ -607,11 +626,15 @@ def test_saved_model_serves(tmp_path):
     export = str(tmp_path / "export")
     model.export(export)
     served = tf.saved_model.load(export)
-    np.testing.assert_allclose(served.serve(tf.constant(x)).numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        served.serve(tf.constant(x)).numpy(), expected, rtol=1e-6
+    )
     tf.saved_model.save(model, str(tmp_path / "plain"))
     plain = tf.saved_model.load(str(tmp_path / "plain"))
     outputs = plain.signatures["serving_default"](tf.constant(x))
-    np.testing.assert_allclose(next(iter(outputs.values())).numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        next(iter(outputs.values())).numpy(), expected, rtol=1e-6
+    )
 
 
 def test_fit_with_xla_and_without_agree():

@@ -31,8 +31,7 @@ def _check_number(name, value, *, low=None, low_inclusive=True, high=None):
     rule_text = " and ".join(rule) if rule else "finite"
     if not _is_real_number(value) or not math.isfinite(value):
         raise ValueError(
-            f"`{name}` must be a finite number {rule_text}. "
-            f"Received: {name}={value!r}"
+            f"`{name}` must be a finite number {rule_text}. Received: {name}={value!r}"
         )
     too_low = low is not None and (value < low if low_inclusive else value <= low)
     too_high = high is not None and value >= high
@@ -96,6 +95,26 @@ def _matches(patterns, variable):
     return False
 
 
+def _sum_duplicate_rows(indices, values):
+    """Sums the values of repeated indices, keeping the static shapes.
+
+    Returns `(indices, totals)` of the same length as the input, where every
+    occurrence of a row carries that row's total. Static shapes keep this fast
+    under XLA, where `tf.unique` (a dynamic shape) costs twice as much.
+    """
+    count = tf.shape(indices)[0]
+    order = tf.argsort(indices, stable=True)
+    sorted_indices = tf.gather(indices, order)
+    starts = tf.concat(
+        [[True], tf.not_equal(sorted_indices[1:], sorted_indices[:-1])], axis=0
+    )
+    sorted_segment = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+    # Back to the input order: segment of each original position.
+    segment = tf.scatter_nd(order[:, None], sorted_segment, [count])
+    sums = tf.math.unsorted_segment_sum(values, segment, count)
+    return indices, tf.gather(sums, segment)
+
+
 class _FunctionCache(dict):
     """Compiled `apply` functions by variable list; never tracked or saved."""
 
@@ -127,12 +146,12 @@ class LARS(keras.optimizers.Optimizer):
 
     Flags reproduce the well-known variants:
 
-    | variant | flags |
-    | --- | --- |
-    | You et al. 2017, MLPerf, MXNet | defaults |
-    | TF contrib `LARSOptimizer` | `classic_momentum=False, decay_in_gradient=False` |
-    | TF Model Garden, optax `lars` | `trust_ratio="decayed"` (Model Garden: `epsilon=0`) |
-    | timm `Lars(trust_clip=True)`, apex `LARC(clip=True)` | `trust_clip=True` |
+    - You et al. 2017, MLPerf, MXNet: the defaults.
+    - TF contrib `LARSOptimizer`: `classic_momentum=False,
+      decay_in_gradient=False`.
+    - TF Model Garden, optax `lars`: `trust_ratio="decayed"` (Model Garden:
+      `epsilon=0`).
+    - timm `Lars(trust_clip=True)`, apex `LARC(clip=True)`: `trust_clip=True`.
 
     Args:
         learning_rate: float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -223,9 +242,7 @@ class LARS(keras.optimizers.Optimizer):
         if _is_real_number(learning_rate):
             learning_rate = _check_number("learning_rate", learning_rate, low=0.0)
         elif not (
-            isinstance(
-                learning_rate, keras.optimizers.schedules.LearningRateSchedule
-            )
+            isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule)
             or callable(learning_rate)
         ):
             raise ValueError(
@@ -330,17 +347,16 @@ class LARS(keras.optimizers.Optimizer):
         gradients), in the compute dtype of each variable.
         """
         indices = [self._get_variable_index(v) for v in variables]
+        ratios = [None] * len(variables)
         adapted = []
         for position, (grad, variable, index) in enumerate(
             zip(grads, variables, indices, strict=True)
         ):
-            if isinstance(grad, tf.IndexedSlices) or not self._variable_adapted[index]:
+            if isinstance(grad, tf.IndexedSlices):
                 continue
-            adapted.append(position)
-        ratios = [None] * len(variables)
-        for position, (grad, variable) in enumerate(zip(grads, variables)):
-            if not isinstance(grad, tf.IndexedSlices):
-                ratios[position] = tf.constant(1.0, self._compute_dtype(variable))
+            ratios[position] = tf.constant(1.0, self._compute_dtype(variable))
+            if self._variable_adapted[index]:
+                adapted.append(position)
         if not adapted:
             return ratios
 
@@ -414,39 +430,36 @@ class LARS(keras.optimizers.Optimizer):
 
     def _sparse_update(self, gradient, variable, learning_rate, momentum_slot):
         dtype = variable.dtype
-        rows, positions = tf.unique(gradient.indices)
-        values = tf.math.unsorted_segment_sum(
-            tf.cast(gradient.values, dtype), positions, tf.shape(rows)[0]
+        rows, totals = _sum_duplicate_rows(
+            gradient.indices, tf.cast(gradient.values, dtype)
         )
         rate = tf.cast(learning_rate, dtype)
+        # Gathers and scatters go through the backing `tf.Variable`: reading a
+        # `keras.Variable` as a tensor would read every row. Duplicate rows
+        # carry identical totals, so their scatters write identical values.
         target = variable.value if isinstance(variable, keras.Variable) else variable
         if momentum_slot is None:
-            target.scatter_sub(tf.IndexedSlices(rate * values, rows))
-            return
-        mu = tf.constant(self.momentum, dtype)
-        # Through the backing `tf.Variable`: reading a `keras.Variable` as a
-        # tensor would read every row.
-        slot = momentum_slot.value
-        old_velocity = tf.gather(slot, rows)
-        if self.classic_momentum:
-            scaled = rate * values
-            velocity = mu * old_velocity + scaled
-            step = mu * velocity + scaled if self.nesterov else velocity
+            step = rate * totals
         else:
-            velocity = mu * old_velocity + values
-            step = rate * (values + mu * velocity if self.nesterov else velocity)
-        slot.scatter_update(tf.IndexedSlices(velocity, rows))
-        target.scatter_sub(tf.IndexedSlices(step, rows))
+            mu = tf.constant(self.momentum, dtype)
+            slot = momentum_slot.value
+            old_velocity = tf.gather(slot, rows)
+            if self.classic_momentum:
+                scaled = rate * totals
+                velocity = mu * old_velocity + scaled
+                step = mu * velocity + scaled if self.nesterov else velocity
+            else:
+                velocity = mu * old_velocity + totals
+                step = rate * (totals + mu * velocity if self.nesterov else velocity)
+            slot.scatter_update(tf.IndexedSlices(velocity, rows))
+        target.scatter_update(tf.IndexedSlices(tf.gather(target, rows) - step, rows))
 
     # ------------------------------------------------------------- apply path
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         tf_variables = [
-            v.value if isinstance(v, keras.Variable) else v
-            for v in trainable_variables
+            v.value if isinstance(v, keras.Variable) else v for v in trainable_variables
         ]
-        grads_and_vars = self._all_reduce_sum_gradients(
-            list(zip(grads, tf_variables))
-        )
+        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, tf_variables)))
         grads = [g for g, _ in grads_and_vars]
         # Trust ratios are computed before the merge call, in replica
         # context, on the all-reduced gradients: every replica gets the same

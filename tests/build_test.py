@@ -1,0 +1,72 @@
+"""Keeps the Bazel BUILD file true to the tree (Starlark parses as Python)."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _rules():
+    tree = ast.parse((ROOT / "BUILD").read_text(encoding="utf-8"))
+    rules = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            call = node.value
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            rules.append((call.func.id, kwargs))
+    return rules
+
+
+def test_build_parses_and_declares_the_library():
+    libraries = [kw for kind, kw in _rules() if kind == "py_library"]
+    names = {kw["name"] for kw in libraries}
+    assert "tf_lars" in names
+
+
+def test_every_package_module_is_in_the_library():
+    library = next(
+        kw for kind, kw in _rules() if kind == "py_library" and kw["name"] == "tf_lars"
+    )
+    declared = set(library["srcs"])
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "tf_lars").rglob("*.py")}
+    assert modules, "no modules found"
+    assert modules - declared == set(), (
+        f"missing from BUILD: {sorted(modules - declared)}"
+    )
+    assert declared - modules == set(), (
+        f"in BUILD but not on disk: {sorted(declared - modules)}"
+    )
+
+
+def test_every_test_file_has_a_py_test():
+    tests = {kw["name"]: kw for kind, kw in _rules() if kind == "py_test"}
+    files = {p.name for p in (ROOT / "tests").glob("*_test.py")}
+    assert "build_test.py" in files
+    declared = {
+        src for kw in tests.values() for src in kw["srcs"] if src.endswith("_test.py")
+    }
+    declared = {pathlib.PurePath(src).name for src in declared}
+    assert files - declared == set(), (
+        f"tests missing from BUILD: {sorted(files - declared)}"
+    )
+    assert declared - files == set(), (
+        f"py_test for missing files: {sorted(declared - files)}"
+    )
+    for name, kw in tests.items():
+        assert ":tf_lars" in kw.get("deps", []) or "//:tf_lars" in kw.get("deps", []), (
+            name
+        )
+
+
+def test_test_helpers_are_declared():
+    helpers = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").glob("*.py")
+        if not p.name.endswith("_test.py")
+    }
+    declared = set()
+    for _kind, kw in _rules():
+        declared |= set(kw.get("srcs", [])) | set(kw.get("data", []))
+    assert helpers - declared == set(), (
+        f"helpers missing from BUILD: {sorted(helpers - declared)}"
+    )

@@ -1,0 +1,286 @@
+"""Optimizer step benchmarks: `python -m tf_lars.bench` or `tf-lars bench`.
+
+Measures, in one process, the median step time of `tf_lars.LARS` against
+`keras.optimizers.SGD(momentum=0.9)` on ResNet-50's trainable variable shapes
+(both as `tf.function(jit_compile=True)` of `optimizer.apply`), an eager
+`optimizer.apply` against the compiled one, and the sparse path on a large
+embedding. Prints a table. Timings vary with the machine and its load; the
+ratios printed are the figures to compare.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _median_seconds(step, repeats, warmup):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def resnet50_shapes():
+    """Trainable variable shapes of `keras.applications.ResNet50(weights=None)`."""
+    import keras
+
+    model = keras.applications.ResNet50(weights=None)
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    del model
+    keras.backend.clear_session()
+    return shapes
+
+
+def _dense_problem(shapes, seed=0):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    variables = [
+        keras.Variable(rng.normal(scale=0.05, size=s).astype("float32"), name=f"w{i}")
+        for i, s in enumerate(shapes)
+    ]
+    grads = [
+        tf.constant(rng.normal(scale=1e-3, size=s).astype("float32")) for s in shapes
+    ]
+    return variables, grads
+
+
+def _compiled_apply(optimizer, variables):
+    import tensorflow as tf
+
+    optimizer.build(variables)
+
+    @tf.function(jit_compile=True)
+    def step(grads):
+        optimizer.apply(grads, variables)
+        return optimizer.iterations
+
+    return step
+
+
+def _compiled_apply_to(optimizer, variables, grads, jit_compile=True):
+    import tensorflow as tf
+
+    @tf.function(jit_compile=jit_compile)
+    def step():
+        optimizer.apply(grads, variables)
+        return optimizer.iterations
+
+    return step
+
+
+def _done(result):
+    # Fetching the step's small output waits for the step, and nothing more:
+    # reading a large variable back could copy it (copy-on-read after scatters).
+    return result.numpy()
+
+
+def bench_dense(shapes, repeats, warmup, include_optax):
+    import keras
+
+    import tf_lars
+
+    results = {}
+    contenders = {
+        "SGD(momentum=0.9)": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "LARS": lambda: tf_lars.LARS(0.1, momentum=0.9, weight_decay=1e-4),
+    }
+    steps = {}
+    for name, make in contenders.items():
+        variables, grads = _dense_problem(shapes)
+        step = _compiled_apply(make(), variables)
+        steps[name] = (step, grads, variables)
+    # Interleave the timing so that drift in machine load hits both alike.
+    samples = {name: [] for name in steps}
+    rounds = 3
+    for _ in range(rounds):
+        for name, (step, grads, _variables) in steps.items():
+            samples[name].append(
+                _median_seconds(
+                    lambda s=step, g=grads: _done(s(g)),
+                    repeats,
+                    warmup,
+                )
+            )
+    for name, values in samples.items():
+        results[name] = statistics.median(values)
+    if include_optax:
+        optax_time = _bench_optax(shapes, repeats, warmup)
+        if optax_time is not None:
+            results["optax.lars (JAX, jit)"] = optax_time
+    return results
+
+
+def _bench_optax(shapes, repeats, warmup):
+    try:
+        import jax
+        import jax.numpy as jnp
+        import optax
+    except ImportError:
+        return None
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(scale=0.05, size=s), jnp.float32) for s in shapes]
+    grads = [jnp.asarray(rng.normal(scale=1e-3, size=s), jnp.float32) for s in shapes]
+    optimizer = optax.lars(0.1, weight_decay=1e-4, momentum=0.9)
+    state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    holder = {"params": params, "state": state}
+
+    def run():
+        holder["params"], holder["state"] = step(
+            holder["params"], holder["state"], grads
+        )
+        jax.block_until_ready(holder["params"])
+
+    return _median_seconds(run, repeats, warmup)
+
+
+def bench_eager_vs_compiled(shapes, repeats, warmup):
+    import tf_lars
+
+    results = {}
+    for label, compiled in (
+        ("LARS eager apply (op by op)", False),
+        ("LARS eager apply (compiled)", True),
+    ):
+        variables, grads = _dense_problem(shapes)
+        optimizer = tf_lars.LARS(0.1, momentum=0.9, weight_decay=1e-4)
+        optimizer.jit_compile = compiled
+        results[label] = _median_seconds(
+            lambda o=optimizer, g=grads, v=variables: (
+                o.apply(g, v),
+                _done(o.iterations),
+            ),
+            repeats,
+            warmup,
+        )
+    return results
+
+
+def bench_sparse(rows, width, touched, repeats, warmup, jit_compile):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_lars
+
+    rng = np.random.default_rng(0)
+    indices = tf.constant(rng.integers(0, rows, size=touched), tf.int32)
+    values = tf.constant(rng.normal(size=(touched, width)).astype("float32"))
+    grad = tf.IndexedSlices(values, indices, tf.constant([rows, width]))
+    results = {}
+    for name, make in (
+        ("SGD(momentum=0.9) sparse", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+        ("LARS sparse", lambda: tf_lars.LARS(0.1, momentum=0.9)),
+    ):
+        table = keras.Variable(tf.zeros((rows, width)), name="embedding")
+        optimizer = make()
+        optimizer.build([table])
+        step = _compiled_apply_to(optimizer, [table], [grad], jit_compile)
+        results[name] = _median_seconds(lambda s=step: _done(s()), repeats, warmup)
+        del table, optimizer, step
+    return results
+
+
+def _print_table(title, rows, baseline):
+    print(f"\n{title}")
+    width = max(len(name) for name in rows) + 2
+    print(f"{'':{width}}{'median step (ms)':>18}{'ratio':>10}")
+    for name, seconds in rows.items():
+        ratio = seconds / rows[baseline]
+        print(f"{name:{width}}{seconds * 1e3:>18.2f}{ratio:>10.2f}x")
+
+
+def main(argv=None):
+    """Runs the benchmarks and prints their tables. Returns an exit code."""
+    parser = argparse.ArgumentParser(
+        prog="tf-lars bench", description="tf_lars optimizer step benchmarks."
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument(
+        "--only",
+        choices=["dense", "eager", "sparse"],
+        action="append",
+        help="run only these parts (repeatable); default: all",
+    )
+    parser.add_argument("--rows", type=int, default=1_000_000, help="embedding rows")
+    parser.add_argument("--width", type=int, default=64, help="embedding width")
+    parser.add_argument("--touched", type=int, default=4096, help="rows per step")
+    parser.add_argument(
+        "--no-optax", action="store_true", help="skip optax even if installed"
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    parts = args.only or ["dense", "eager", "sparse"]
+
+    import tensorflow as tf
+
+    print(
+        f"tf_lars bench: TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores, "
+        f"repeats={args.repeats}",
+        flush=True,
+    )
+    shapes = None
+    if "dense" in parts or "eager" in parts:
+        shapes = resnet50_shapes()
+        parameters = sum(int(__import__("math").prod(s)) for s in shapes)
+        print(
+            f"ResNet-50 trainable variables: {len(shapes)} ({parameters:,} parameters)"
+        )
+    if "dense" in parts:
+        print("dense: timing SGD-momentum and LARS (XLA) ...", flush=True)
+        rows = bench_dense(shapes, args.repeats, args.warmup, not args.no_optax)
+        _print_table(
+            "Dense step, ResNet-50 shapes, tf.function(jit_compile=True) of apply",
+            rows,
+            "SGD(momentum=0.9)",
+        )
+    if "eager" in parts:
+        print("\neager: timing eager apply, op by op and compiled ...", flush=True)
+        rows = bench_eager_vs_compiled(shapes, max(3, args.repeats // 4), 2)
+        _print_table(
+            "Eager optimizer.apply, ResNet-50 shapes",
+            rows,
+            "LARS eager apply (compiled)",
+        )
+    if "sparse" in parts:
+        for jit_compile, mode in ((True, "XLA"), (False, "tf.function, no XLA")):
+            print(f"\nsparse: timing the embedding update ({mode}) ...", flush=True)
+            rows = bench_sparse(
+                args.rows,
+                args.width,
+                args.touched,
+                args.repeats,
+                args.warmup,
+                jit_compile,
+            )
+            _print_table(
+                f"Sparse step, {args.rows:,} x {args.width} embedding, "
+                f"{args.touched} touched rows, {mode}",
+                rows,
+                "LARS sparse",
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
