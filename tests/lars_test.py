@@ -667,3 +667,33 @@ def test_mirrored_strategy_uses_all_reduced_gradient():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MIRRORED OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_gradient_accumulation_applies_the_mean_gradient():
+    config = dict(BASE)
+    weights, grads = _problem("float64", seed=4)
+    optimizer = tf_lars.LARS(learning_rate=0.5, gradient_accumulation_steps=2, **config)
+    variables = [keras.Variable(w, dtype="float64") for w in weights]
+    for step_grads in grads:
+        optimizer.apply([tf.constant(g) for g in step_grads], variables)
+    w = [np.array(x) for x in weights]
+    v = [np.zeros_like(x) for x in w]
+    for first, second in zip(grads[0::2], grads[1::2], strict=True):
+        for i in range(len(w)):
+            mean = (first[i] + second[i]) / 2
+            w[i], v[i], _ = ref.dense_step(w[i], mean, v[i], 0.5, **config)
+    for variable, want in zip(variables, w, strict=True):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-9, atol=1e-12)
+    assert optimizer.iterations.numpy() == STEPS // 2
+
+
+def test_clipnorm_clips_before_the_trust_ratio():
+    config = dict(BASE, momentum=0.0)
+    optimizer = tf_lars.LARS(learning_rate=0.5, clipnorm=0.01, **config)
+    weight = np.linspace(-1, 1, 12).reshape(3, 4)
+    grad = np.linspace(0.5, 2, 12).reshape(3, 4)
+    variable = keras.Variable(weight, dtype="float64")
+    optimizer.apply([tf.constant(grad)], [variable])
+    clipped = grad * 0.01 / np.linalg.norm(grad)
+    want, _, _ = ref.dense_step(weight, clipped, np.zeros_like(weight), 0.5, **config)
+    np.testing.assert_allclose(variable.numpy(), want, rtol=1e-6)

@@ -12,8 +12,9 @@ reduced. `python -m tf_lars.bench` measures the effect on a whole step.
 
 import tensorflow as tf
 
-# Folding widths tried, widest first: each must divide the element count.
-_WIDTHS = (512, 384, 256, 192, 128, 96, 64, 48, 32, 16, 8)
+# Folding widths tried in order (each must divide the element count); 128
+# measured fastest on ResNet-50 shapes here, wider and narrower both slower.
+_WIDTHS = (128, 96, 64, 48, 32, 16, 8)
 # Below this many elements a plain reduction is as fast and skips the dot.
 _SMALL = 4096
 

@@ -1,0 +1,925 @@
+"""Tests for `tf_lars.LossScaleOptimizer` (tf_lars/loss_scale.py)."""
+
+import doctest
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_lars
+from tf_lars import loss_scale
+from tf_lars.loss_scale import LossScaleOptimizer
+
+MODES = ["eager", "function", "jit"]
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Tolerances of the NumPy reference comparison, by variable dtype. float16 has
+# an 11-bit significand (eps = 2**-10 ~ 9.8e-4): each step rounds once.
+TOLERANCES = {
+    "float16": dict(rtol=2e-3, atol=2e-3),
+    "float32": dict(rtol=1e-6, atol=1e-6),
+    "float64": dict(rtol=1e-12, atol=1e-12),
+}
+
+
+def in_mode(fn, mode):
+    """`fn` run eagerly, as a `tf.function`, or as an XLA-compiled function."""
+    if mode == "eager":
+        return fn
+    return tf.function(fn, jit_compile=mode == "jit")
+
+
+def numpy_state(optimizer):
+    """Every optimizer variable (own and inner) as NumPy, keyed by path."""
+    return {v.path: np.array(v.numpy()) for v in optimizer.variables}
+
+
+def make_step(optimizer, kernel, embedding, rows, square=False):
+    """A train step on `sum(f(kernel) * c_kernel) + sum(embedding[rows] * c_rows)`.
+
+    `f` is the identity, or the square with `square=True`. The embedding's
+    gradient is a `tf.IndexedSlices`.
+    """
+
+    def step(c_kernel, c_rows):
+        with tf.GradientTape() as tape:
+            dense = tf.square(kernel * c_kernel) if square else kernel * c_kernel
+            gathered = tf.gather(embedding, rows)
+            loss = tf.reduce_sum(dense) + tf.reduce_sum(gathered * c_rows)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, [kernel, embedding])
+        assert isinstance(grads[1], tf.IndexedSlices)
+        optimizer.apply(grads, [kernel, embedding])
+
+    return step
+
+
+def assert_states_equal(before, after):
+    assert before.keys() == after.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+# --------------------------------------------------------------------------
+# Keras 3 reference numbers (DESIGN.md), dynamic and fixed.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_finite_step_reference(mode, dynamic):
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), dynamic=dynamic)
+    var = keras.Variable([1.0, 2.0, 3.0, 4.0])
+    optimizer.build([var])
+
+    def step():
+        optimizer.apply([tf.ones(4) * optimizer.initial_scale], [var])
+
+    in_mode(step, mode)()
+    np.testing.assert_allclose(var.numpy(), [0.5, 1.5, 2.5, 3.5], rtol=1e-6)
+    assert int(optimizer.iterations) == 1
+    assert int(optimizer.skipped_steps) == 0
+    assert float(optimizer.loss_scale) == 2.0**15
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_non_finite_steps_reference(mode, dynamic):
+    # Keras 3: four non-finite steps from 400 leave 25. Fixed: still 400.
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=400.0, dynamic=dynamic
+    )
+    var = keras.Variable([1.0, 2.0, 3.0, 4.0])
+    optimizer.build([var])
+    step = in_mode(lambda g: optimizer.apply([g], [var]), mode)
+    for _ in range(4):
+        step(tf.constant([np.inf, np.inf, np.inf, np.inf]))
+    np.testing.assert_array_equal(var.numpy(), [1.0, 2.0, 3.0, 4.0])
+    assert float(optimizer.loss_scale) == (25.0 if dynamic else 400.0)
+    assert float(optimizer.scale_loss(1.0)) == (25.0 if dynamic else 400.0)
+    assert int(optimizer.skipped_steps) == 4
+    assert int(optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_growth_reference(mode, dynamic):
+    # Keras 3: initial 2 with growth 2 reaches 32 after 8 finite steps.
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5),
+        initial_scale=2.0,
+        dynamic=dynamic,
+        dynamic_growth_steps=2,
+    )
+    var = keras.Variable([1.0, 2.0, 3.0, 4.0])
+    optimizer.build([var])
+
+    def step():
+        # The gradient of `scale_loss(sum(var))`: ones times the current scale.
+        with tf.GradientTape() as tape:
+            scaled = optimizer.scale_loss(tf.reduce_sum(var))
+        optimizer.apply(tape.gradient(scaled, [var]), [var])
+
+    step = in_mode(step, mode)
+    scales = []
+    for _ in range(8):
+        step()
+        scales.append(float(optimizer.loss_scale))
+    if dynamic:
+        assert scales == [2.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
+    else:
+        assert scales == [2.0] * 8
+    # Every step applied the unscaled gradient (ones): 8 * 0.5 off each entry.
+    np.testing.assert_allclose(var.numpy(), [-3.0, -2.0, -1.0, 0.0], rtol=1e-6)
+    assert int(optimizer.iterations) == 8
+    assert int(optimizer.skipped_steps) == 0
+
+
+# --------------------------------------------------------------------------
+# A NumPy reference of the wrapper around SGD with momentum, dense and sparse.
+# --------------------------------------------------------------------------
+
+
+class NumpyLossScaleSGD:
+    """The wrapper's rule around `keras.optimizers.SGD(lr, momentum)`, in NumPy."""
+
+    def __init__(self, values, lr, momentum, initial_scale, dynamic, growth_steps):
+        self.values = [np.array(v, np.float64) for v in values]
+        self.slots = [np.zeros_like(v) for v in self.values]
+        self.lr, self.momentum = lr, momentum
+        self.scale, self.dynamic, self.growth_steps = (
+            initial_scale,
+            dynamic,
+            growth_steps,
+        )
+        self.step_counter = self.skipped = self.iterations = 0
+
+    def step(self, unscaled_grads):
+        if not all(np.all(np.isfinite(g)) for g in unscaled_grads):
+            self.skipped += 1
+            if self.dynamic:
+                self.step_counter, self.scale = 0, self.scale / 2
+            return
+        for i, g in enumerate(unscaled_grads):
+            self.slots[i] = self.momentum * self.slots[i] - self.lr * g
+            self.values[i] = self.values[i] + self.slots[i]
+        self.iterations += 1
+        if self.dynamic:
+            if self.step_counter == self.growth_steps - 1:
+                self.step_counter, self.scale = 0, self.scale * 2
+            else:
+                self.step_counter += 1
+
+
+# Per step: the coefficient of the dense variable and of the gathered rows of
+# the sparse one. The loss is sum(kernel * c_kernel) + sum(rows * c_rows), so
+# the gradient of the scaled loss is scale * c (exact: the scale is a power of 2).
+EMBEDDING_ROWS = [1, 3, 1]  # row 1 twice: duplicate sparse indices are summed.
+
+
+def _coefficients():
+    rng = np.random.default_rng(7)
+    steps = []
+    for bad in [None, None, "kernel_nan", None, None, None, "rows_inf", None, None]:
+        c_kernel = rng.uniform(-2, 2, size=(3, 2))
+        c_rows = rng.uniform(-2, 2, size=(3, 2))
+        if bad == "kernel_nan":
+            c_kernel[1, 0] = np.nan
+        if bad == "rows_inf":
+            c_rows[2, 1] = np.inf
+        steps.append((c_kernel, c_rows))
+    return steps
+
+
+def _dense_rows_gradient(c_rows, num_rows):
+    grad = np.zeros((num_rows, c_rows.shape[1]))
+    np.add.at(grad, EMBEDDING_ROWS, c_rows)
+    return grad
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_numpy_reference(mode, dtype):
+    kernel_init = np.arange(6, dtype=np.float64).reshape(3, 2) / 4 - 0.5
+    embedding_init = np.arange(10, dtype=np.float64).reshape(5, 2) / 8 + 0.25
+    tolerance = TOLERANCES[dtype]
+    for dynamic in [True, False]:
+        kernel = keras.Variable(kernel_init, dtype=dtype)
+        embedding = keras.Variable(embedding_init, dtype=dtype)
+        optimizer = LossScaleOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            initial_scale=16.0,
+            dynamic=dynamic,
+            dynamic_growth_steps=3,
+        )
+        optimizer.build([kernel, embedding])
+        inner = optimizer.inner_optimizer
+        # Keras SGD rounds its learning rate and momentum to float32.
+        reference = NumpyLossScaleSGD(
+            [kernel_init, embedding_init],
+            lr=float(np.float32(0.05)),
+            momentum=float(np.float32(0.9)),
+            initial_scale=16.0,
+            dynamic=dynamic,
+            growth_steps=3,
+        )
+
+        step = in_mode(make_step(optimizer, kernel, embedding, EMBEDDING_ROWS), mode)
+        for c_kernel, c_rows in _coefficients():
+            step(tf.constant(c_kernel, dtype), tf.constant(c_rows, dtype))
+            reference.step([c_kernel, _dense_rows_gradient(c_rows, 5)])
+            for got, want in [
+                (kernel, reference.values[0]),
+                (embedding, reference.values[1]),
+                (inner.momentums[0], reference.slots[0]),
+                (inner.momentums[1], reference.slots[1]),
+            ]:
+                np.testing.assert_allclose(got.numpy(), want, **tolerance)
+            assert float(optimizer.loss_scale) == reference.scale
+            assert int(optimizer.step_counter.numpy()) == reference.step_counter
+            assert int(optimizer.skipped_steps) == reference.skipped
+            assert int(optimizer.iterations) == reference.iterations
+        assert reference.skipped == 2
+        # 16 -> 8 (NaN) -> 16 (three finite steps) -> 8 (inf).
+        assert reference.scale == (8.0 if dynamic else 16.0)
+
+
+# --------------------------------------------------------------------------
+# A non-finite value in one of several gradients changes nothing but the scale.
+# --------------------------------------------------------------------------
+
+
+def _make_inner(kind):
+    if kind == "adam":
+        return keras.optimizers.Adam(0.01)
+    return tf_lars.LARS(learning_rate=0.5, momentum=0.9, weight_decay=1e-3)
+
+
+NON_FINITE_CASES = (
+    [
+        ("adam", bad, where, mode)
+        for bad in [np.nan, np.inf]
+        for where in ["dense", "sparse"]
+        for mode in MODES
+    ]
+    + [("lars", np.nan, "dense", mode) for mode in MODES]
+    + [("lars", -np.inf, "sparse", mode) for mode in MODES]
+)
+
+
+@pytest.mark.parametrize("inner_kind,bad,where,mode", NON_FINITE_CASES)
+def test_non_finite_gradient_skips_step(inner_kind, bad, where, mode):
+    kernel = keras.Variable(np.linspace(-1, 1, 6).reshape(3, 2), dtype="float32")
+    bias = keras.Variable([0.5, -0.5], dtype="float32")
+    embedding = keras.Variable(np.linspace(0, 1, 10).reshape(5, 2), dtype="float32")
+    variables = [kernel, bias, embedding]
+    optimizer = LossScaleOptimizer(_make_inner(inner_kind), initial_scale=64.0)
+    optimizer.build(variables)
+
+    def step(c_kernel, c_bias, c_rows):
+        with tf.GradientTape() as tape:
+            rows = tf.gather(embedding, [0, 4])
+            loss = (
+                tf.reduce_sum(kernel * c_kernel)
+                + tf.reduce_sum(bias * c_bias)
+                + tf.reduce_sum(rows * c_rows)
+            )
+            scaled = optimizer.scale_loss(loss)
+        optimizer.apply(tape.gradient(scaled, variables), variables)
+
+    step = in_mode(step, mode)
+    c_kernel = np.full((3, 2), 0.3, np.float32)
+    c_bias = np.array([0.2, -0.1], np.float32)
+    c_rows = np.full((2, 2), -0.4, np.float32)
+    # One finite step first, so the slots hold non-zero values to protect.
+    step(c_kernel, c_bias, c_rows)
+    assert int(optimizer.iterations) == 1
+    before = numpy_state(optimizer)
+    values_before = [v.numpy() for v in variables]
+    assert any(np.any(value != 0) for value in before.values())
+
+    if where == "dense":
+        c_kernel = c_kernel.copy()
+        c_kernel[2, 1] = bad
+    else:
+        c_rows = c_rows.copy()
+        c_rows[1, 0] = bad
+    step(c_kernel, c_bias, c_rows)
+
+    for var, value in zip(variables, values_before, strict=True):
+        np.testing.assert_array_equal(var.numpy(), value)
+    after = numpy_state(optimizer)
+    inner_paths = [v.path for v in optimizer.inner_optimizer.variables]
+    assert_states_equal(
+        {k: before[k] for k in inner_paths}, {k: after[k] for k in inner_paths}
+    )
+    assert int(optimizer.iterations) == 1
+    assert float(optimizer.loss_scale) == 32.0
+    assert int(optimizer.skipped_steps) == 1
+    assert int(optimizer.step_counter.numpy()) == 0
+
+
+def test_check_finite_dense_and_sparse_never_densifies():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    huge = tf.constant([2**31 - 1, 8], tf.int64)  # 68 GB if densified.
+    finite_slices = tf.IndexedSlices(tf.ones((2, 8)), tf.constant([0, 5]), huge)
+    bad_slices = tf.IndexedSlices(
+        tf.constant([[1.0] * 7 + [-np.inf]] * 2), tf.constant([0, 5]), huge
+    )
+    dense = tf.ones((3,))
+    assert bool(optimizer.check_finite([dense, finite_slices, None]))
+    assert not bool(optimizer.check_finite([dense, bad_slices]))
+    assert not bool(optimizer.check_finite([tf.constant([0.0, np.nan]), None]))
+    assert not bool(optimizer.check_finite([tf.constant([np.inf], tf.float16)]))
+    unscaled = loss_scale._unscale(finite_slices, tf.constant(4.0))
+    assert isinstance(unscaled, tf.IndexedSlices)
+    np.testing.assert_array_equal(unscaled.values.numpy(), np.full((2, 8), 0.25))
+
+
+def test_float16_gradient_unscaled_in_float32():
+    # 2**16 overflows float16: the scale must never be cast to the grad dtype.
+    grad = tf.constant([2.0**14, 6.0], tf.float16)
+    unscaled = loss_scale._unscale(grad, tf.constant(2.0**16))
+    assert unscaled.dtype == tf.float16
+    np.testing.assert_array_equal(
+        unscaled.numpy(), np.array([0.25, 6 / 65536], np.float16)
+    )
+
+
+# --------------------------------------------------------------------------
+# XLA: a graph conditional, no host round-trip; eager == function == jit.
+# --------------------------------------------------------------------------
+
+
+def test_jit_step_is_an_on_device_conditional():
+    kernel = keras.Variable(np.ones((3, 2), np.float32))
+    embedding = keras.Variable(np.ones((5, 2), np.float32))
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=8.0
+    )
+    optimizer.build([kernel, embedding])
+
+    @tf.function(jit_compile=True)
+    def step(c):
+        with tf.GradientTape() as tape:
+            rows = tf.gather(embedding, [1, 3])
+            loss = tf.reduce_sum(kernel * c) + tf.reduce_sum(rows * c[:2])
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, [kernel, embedding])
+        optimizer.apply(grads, [kernel, embedding])
+
+    c = tf.ones((3, 2))
+    graph_ops = {op.type for op in step.get_concrete_function(c).graph.get_operations()}
+    assert {"If", "IsFinite"} <= graph_ops
+    assert not graph_ops & {"PyFunc", "EagerPyFunc", "PyFuncStateless"}
+    hlo = step.experimental_get_compiler_ir(c)(stage="hlo")
+    # The skip decision and the scale growth: two XLA conditionals.
+    assert hlo.count("conditional(") == 2
+    for host_op in ["send(", "recv(", "outfeed(", "infeed(", "custom-call("]:
+        assert host_op not in hlo
+    step(c)
+    step(c * np.inf)
+    np.testing.assert_allclose(kernel.numpy(), np.full((3, 2), 0.9), rtol=1e-6)
+    assert float(optimizer.loss_scale) == 4.0
+
+
+def test_eager_function_jit_agree_with_lars_inside():
+    rng = np.random.default_rng(3)
+    kernel_init = rng.normal(size=(4, 3)).astype(np.float32)
+    embedding_init = rng.normal(size=(6, 3)).astype(np.float32)
+    coefficients = [rng.normal(size=(4, 3)).astype(np.float32) for _ in range(6)]
+    coefficients[3][0, 0] = np.nan
+    results = {}
+    for mode in MODES:
+        kernel = keras.Variable(kernel_init)
+        embedding = keras.Variable(embedding_init)
+        optimizer = LossScaleOptimizer(
+            tf_lars.LARS(learning_rate=0.5, momentum=0.9, weight_decay=1e-2),
+            initial_scale=2.0**10,
+            dynamic_growth_steps=2,
+        )
+        optimizer.build([kernel, embedding])
+
+        step = in_mode(
+            make_step(optimizer, kernel, embedding, [0, 2, 5], square=True), mode
+        )
+        for c in coefficients:
+            step(tf.constant(c), tf.constant(c[:3]))
+        # By position: auto-generated variable names differ between runs.
+        results[mode] = [kernel.numpy(), embedding.numpy()] + [
+            v.numpy() for v in optimizer.variables
+        ]
+        assert float(optimizer.loss_scale) == 2.0**11
+        assert int(optimizer.skipped_steps) == 1
+        assert int(optimizer.iterations) == 5
+    eager = results["eager"]
+    assert not np.allclose(eager[0], kernel_init)
+    assert not np.allclose(eager[1], embedding_init)
+    for mode in ["function", "jit"]:
+        assert len(results[mode]) == len(eager)
+        for index, value in enumerate(eager):
+            np.testing.assert_allclose(
+                results[mode][index], value, rtol=1e-6, atol=1e-7, err_msg=mode
+            )
+
+
+# --------------------------------------------------------------------------
+# Scale bounds, overwrite-with-gradient variables, read-outs.
+# --------------------------------------------------------------------------
+
+
+def test_scale_stays_within_float32_normal_range():
+    var = keras.Variable([1.0])
+    top = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2.0**127, dynamic_growth_steps=1
+    )
+    top.apply([tf.constant([2.0**127])], [var])
+    assert float(top.loss_scale) == 2.0**127
+    np.testing.assert_allclose(var.numpy(), [0.9], rtol=1e-6)
+
+    tiny = float(np.finfo(np.float32).tiny)
+    bottom = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=tiny)
+    bottom.apply([tf.constant([np.nan])], [var])
+    assert float(bottom.loss_scale) == tiny
+    assert int(bottom.skipped_steps) == 1
+
+
+def test_overwrite_with_gradient_variable_is_not_unscaled():
+    var = keras.Variable([1.0, 2.0])
+    var.overwrite_with_gradient = True
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=4.0)
+    optimizer.apply([tf.constant([7.0, 8.0])], [var])
+    np.testing.assert_array_equal(var.numpy(), [7.0, 8.0])
+
+
+def test_read_outs_before_and_after_build():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=64)
+    assert float(optimizer.loss_scale) == 64.0
+    assert int(optimizer.skipped_steps) == 0
+    assert float(optimizer.scale_loss(tf.constant(0.5))) == 32.0
+    var = keras.Variable([1.0])
+    optimizer.apply([tf.constant([np.inf])], [var])
+    assert optimizer.skipped_steps.dtype == tf.int64
+    assert int(optimizer.skipped_steps) == 1
+    assert float(optimizer.scale_loss(tf.constant(0.5))) == 16.0
+    # Read-outs are snapshots, not live variables.
+    snapshot = optimizer.skipped_steps
+    optimizer.apply([tf.constant([np.inf])], [var])
+    assert int(snapshot) == 1 and int(optimizer.skipped_steps) == 2
+    # `apply_gradients` reports the inner optimizer's step count.
+    assert int(optimizer.apply_gradients([(tf.constant([1.0]), var)])) == 1
+    assert optimizer.learning_rate is optimizer.inner_optimizer.learning_rate
+
+
+def test_docstring_example_runs():
+    finder = doctest.DocTestFinder(recurse=False)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    globs = {"keras": keras, "tf": tf, "tf_lars": tf_lars, "np": np}
+    (test,) = finder.find(LossScaleOptimizer, "LossScaleOptimizer", globs=globs)
+    result = runner.run(test)
+    assert result.attempted >= 6
+    assert result.failed == 0
+
+
+# --------------------------------------------------------------------------
+# LARS inside: the trust ratio sees the unscaled gradient.
+# --------------------------------------------------------------------------
+
+
+def test_wrapped_lars_equals_lars_on_unscaled_gradient():
+    rng = np.random.default_rng(11)
+    inits = [rng.normal(size=(5, 4)), rng.normal(size=(4,))]
+    grads = [[rng.normal(size=v.shape) * 1e-2 for v in inits] for _ in range(3)]
+    scale = 2.0**12
+
+    def lars():
+        return tf_lars.LARS(
+            learning_rate=1.0, momentum=0.9, weight_decay=0.05, trust_coefficient=0.02
+        )
+
+    def run(optimizer, grad_factor):
+        variables = [keras.Variable(v, dtype="float32") for v in inits]
+        for step_grads in grads:
+            optimizer.apply(
+                [tf.constant(g * grad_factor, tf.float32) for g in step_grads],
+                variables,
+            )
+        return [v.numpy() for v in variables]
+
+    wrapped = run(LossScaleOptimizer(lars(), initial_scale=scale), scale)
+    unscaled = run(lars(), 1.0)
+    on_scaled = run(lars(), scale)
+    for w, u, s, init in zip(wrapped, unscaled, on_scaled, inits, strict=True):
+        np.testing.assert_allclose(w, u, rtol=1e-6, atol=1e-7)
+        assert not np.allclose(w, init, atol=1e-4)
+        # With weight decay LARS is not scale-invariant: applying the scaled
+        # gradient would give something else, so the comparison is meaningful.
+        assert not np.allclose(s, u, rtol=1e-3, atol=1e-5)
+
+
+def _regression_data(n=256):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 1)).astype(np.float32)
+    y = (x @ w / 3 + 0.1 * np.sin(3 * x[:, :1])).astype(np.float32)
+    return x, y
+
+
+def _lars_for_fit():
+    return tf_lars.LARS(
+        learning_rate=0.5, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.02
+    )
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+# The tolerance of the mixed_float16 end-to-end comparison. Power-of-two scales
+# commute with float16 rounding, so the scaled and unscaled runs differ only
+# where unscaled float16 gradients fall below 2**-14 (subnormal) and lose bits;
+# measured: max |difference| 1.7e-5 after 32 steps. Asserted: float16's
+# relative precision (2**-10) plus an absolute 1e-4.
+MIXED_RTOL = 2.0**-10
+MIXED_ATOL = 1e-4
+
+
+def test_mixed_float16_fit_with_lars(mixed_float16):
+    x, y = _regression_data()
+
+    def make_model():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="tanh"),
+                keras.layers.Dense(1, dtype="float32"),
+            ]
+        )
+
+    scaled_model, unscaled_model = make_model(), make_model()
+    optimizer = LossScaleOptimizer(
+        _lars_for_fit(), initial_scale=256.0, dynamic_growth_steps=5
+    )
+    scaled_model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    # `compile(auto_scale_loss=True)` must not wrap it a second time.
+    assert scaled_model.optimizer is optimizer
+    history = scaled_model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tf_lars.callbacks.LossScaleMonitor()],
+    )
+    unscaled_model.compile(
+        optimizer=_lars_for_fit(), loss="mse", jit_compile=True, auto_scale_loss=False
+    )
+    assert isinstance(unscaled_model.optimizer, tf_lars.LARS)
+    unscaled_model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+
+    losses = history.history["loss"]
+    assert losses[-1] < 0.25 * losses[0]
+    # 32 finite steps, growth every 5: 256 * 2**6.
+    assert history.history["skipped_steps"] == [0, 0, 0, 0]
+    assert history.history["loss_scale"][-1] == 256.0 * 2**6
+    assert int(optimizer.iterations) == 32
+    assert scaled_model.layers[0].kernel.dtype == "float32"
+    for scaled, unscaled in zip(
+        scaled_model.trainable_variables,
+        unscaled_model.trainable_variables,
+        strict=True,
+    ):
+        assert scaled.dtype == "float32"
+        np.testing.assert_allclose(
+            scaled.numpy(), unscaled.numpy(), rtol=MIXED_RTOL, atol=MIXED_ATOL
+        )
+
+
+def test_mixed_float16_fit_embedding_overflow_is_skipped(mixed_float16):
+    # A too-large initial scale overflows float16 in the backward pass: the
+    # wrapper must skip those steps (inside the XLA-compiled train step),
+    # halve the scale, then train. The embedding's gradient is sparse.
+    seen_gradient_types = set()
+
+    class Spy(LossScaleOptimizer):
+        def check_finite(self, grads):
+            seen_gradient_types.update(type(g).__name__ for g in grads)
+            return super().check_finite(grads)
+
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 50, size=(128, 4))
+    targets = (tokens.mean(axis=1, keepdims=True) / 50).astype(np.float32)
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    optimizer = Spy(
+        keras.optimizers.SGD(0.5, momentum=0.5),
+        initial_scale=2.0**30,
+        dynamic_growth_steps=10**6,
+    )
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    history = model.fit(
+        tokens,
+        targets,
+        batch_size=16,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tf_lars.callbacks.LossScaleMonitor()],
+    )
+    assert "IndexedSlices" in seen_gradient_types
+    skipped = history.history["skipped_steps"]
+    assert skipped[0] >= 1 and skipped == sorted(skipped)
+    assert int(optimizer.skipped_steps) == skipped[-1]
+    # No growth (10**6 steps), so the scale is exactly initial / 2**skipped.
+    assert history.history["loss_scale"][-1] == 2.0**30 / 2.0 ** skipped[-1]
+    assert int(optimizer.iterations) == 3 * 8 - skipped[-1]
+    for var in model.trainable_variables:
+        assert var.dtype == "float32"
+        assert np.all(np.isfinite(var.numpy()))
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+# --------------------------------------------------------------------------
+# Serialization: config, .keras files, tf.train.Checkpoint.
+# --------------------------------------------------------------------------
+
+
+def test_config_holds_every_constructor_argument():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    arguments = set(inspect.signature(LossScaleOptimizer.__init__).parameters)
+    assert set(optimizer.get_config()) == arguments - {"self", "kwargs"}
+
+
+@pytest.mark.parametrize("inner_kind", ["sgd", "adam", "lars"])
+def test_config_round_trip(inner_kind):
+    inner = {
+        "sgd": lambda: keras.optimizers.SGD(0.3, momentum=0.7, nesterov=True),
+        "adam": lambda: keras.optimizers.Adam(1e-3, beta_1=0.8, clipnorm=1.5),
+        "lars": lambda: tf_lars.LARS(
+            learning_rate=0.2,
+            weight_decay=1e-4,
+            trust_ratio="decayed",
+            exclude_from_weight_decay=["bias"],
+        ),
+    }[inner_kind]()
+    optimizer = LossScaleOptimizer(
+        inner, initial_scale=128, dynamic=False, dynamic_growth_steps=7, name="ls"
+    )
+    config = optimizer.get_config()
+    assert config["initial_scale"] == 128.0
+    assert config["dynamic"] is False
+    assert config["dynamic_growth_steps"] == 7
+    assert config["name"] == "ls"
+    assert config["inner_optimizer"] == keras.saving.serialize_keras_object(inner)
+    json.dumps(config)  # A .keras file stores it as JSON.
+
+    restored = LossScaleOptimizer.from_config(config)
+    assert restored.get_config() == config
+    assert type(restored.inner_optimizer) is type(inner)
+    assert config["inner_optimizer"]["config"] == inner.get_config()
+
+    serialized = keras.optimizers.serialize(optimizer)
+    assert serialized["registered_name"] == "tf_lars>LossScaleOptimizer"
+    again = keras.optimizers.deserialize(json.loads(json.dumps(serialized)))
+    assert type(again) is LossScaleOptimizer
+    assert again.get_config() == config
+    assert again.dynamic is False
+
+
+def _train_to_interesting_state(optimizer, variables):
+    """Finite and non-finite steps so that every counter is non-default."""
+    grads_ok = [tf.ones_like(v) * 0.1 for v in variables]
+    grads_bad = [tf.fill(v.shape, np.nan) for v in variables]
+    for grads in [
+        grads_ok,
+        grads_bad,
+        grads_ok,
+        grads_ok,
+        grads_bad,
+        grads_ok,
+        grads_ok,
+    ]:
+        optimizer.apply(grads, variables)
+
+
+def test_model_save_and_load_restores_scale_and_counters(tmp_path):
+    def make_model():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+    model = make_model()
+    optimizer = LossScaleOptimizer(
+        tf_lars.LARS(learning_rate=0.1, weight_decay=1e-4),
+        initial_scale=1024.0,
+        dynamic_growth_steps=3,
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    optimizer.build(model.trainable_variables)
+    _train_to_interesting_state(optimizer, model.trainable_variables)
+    assert float(optimizer.loss_scale) == 256.0
+    assert int(optimizer.skipped_steps) == 2
+    assert int(optimizer.step_counter.numpy()) == 2
+    assert int(optimizer.iterations) == 5
+    path = tmp_path / "m.keras"
+    model.save(path)
+
+    # A fresh process-like state: nothing but the registered names.
+    keras.backend.clear_session()
+    loaded = keras.models.load_model(path)
+    restored = loaded.optimizer
+    assert type(restored) is LossScaleOptimizer
+    assert isinstance(restored.inner_optimizer, tf_lars.LARS)
+    assert restored.get_config() == optimizer.get_config()
+    assert float(restored.loss_scale) == 256.0
+    assert int(restored.skipped_steps) == 2
+    assert int(restored.step_counter.numpy()) == 2
+    assert int(restored.iterations) == 5
+    assert len(restored.variables) == len(optimizer.variables)
+    for saved, loaded_var in zip(optimizer.variables, restored.variables, strict=True):
+        np.testing.assert_array_equal(loaded_var.numpy(), saved.numpy())
+    # One more finite step reaches the growth point: the counter really resumed.
+    restored.apply([tf.ones_like(v) * 0.1 for v in loaded.trainable_variables])
+    assert float(restored.loss_scale) == 512.0
+
+
+def test_checkpoint_round_trip(tmp_path):
+    def make():
+        variables = [keras.Variable(np.ones((2, 2), np.float32)), keras.Variable([0.5])]
+        optimizer = LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            initial_scale=1024.0,
+            dynamic_growth_steps=3,
+        )
+        optimizer.build(variables)
+        return optimizer, variables
+
+    optimizer, variables = make()
+    _train_to_interesting_state(optimizer, variables)
+    path = tf.train.Checkpoint(optimizer=optimizer).write(str(tmp_path / "ckpt"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert "optimizer/skipped_step_counter/.ATTRIBUTES/VARIABLE_VALUE" in names
+    assert "optimizer/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE" in names
+
+    fresh, _ = make()
+    assert float(fresh.loss_scale) == 1024.0
+    tf.train.Checkpoint(optimizer=fresh).read(path).assert_consumed()
+    assert float(fresh.loss_scale) == 256.0
+    assert int(fresh.skipped_steps) == 2
+    assert int(fresh.step_counter.numpy()) == 2
+    assert int(fresh.iterations) == 5
+    # By position: the two optimizers' auto-generated names differ.
+    assert len(fresh.variables) == len(optimizer.variables)
+    for saved, restored in zip(optimizer.variables, fresh.variables, strict=True):
+        np.testing.assert_array_equal(restored.numpy(), saved.numpy())
+
+
+# --------------------------------------------------------------------------
+# Bad input.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        (dict(initial_scale=0), "initial_scale"),
+        (dict(initial_scale=-2.0), "initial_scale"),
+        (dict(initial_scale=float("inf")), "initial_scale"),
+        (dict(initial_scale=float("nan")), "initial_scale"),
+        (dict(initial_scale=1e39), "initial_scale"),  # inf in float32
+        (dict(initial_scale=True), "initial_scale"),
+        (dict(initial_scale="1024"), "initial_scale"),
+        (dict(dynamic_growth_steps=0), "dynamic_growth_steps"),
+        (dict(dynamic_growth_steps=-5), "dynamic_growth_steps"),
+        (dict(dynamic_growth_steps=2.5), "dynamic_growth_steps"),
+        (dict(dynamic_growth_steps=True), "dynamic_growth_steps"),
+        (dict(dynamic_growth_steps="10"), "dynamic_growth_steps"),
+        (dict(dynamic="yes"), "dynamic"),
+        (dict(dynamic=1), "dynamic"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, argument):
+    ((name, value),) = kwargs.items()
+    with pytest.raises(ValueError) as info:
+        LossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
+    message = str(info.value)
+    assert f"`{argument}`" in message
+    assert f"Received: {argument}={value!r}" in message
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        "sgd",
+        None,
+        lambda: tf.Variable(1.0),
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+        lambda: LossScaleOptimizer(keras.optimizers.SGD()),
+    ],
+)
+def test_bad_inner_optimizer(inner):
+    inner = inner() if callable(inner) else inner
+    with pytest.raises(ValueError) as info:
+        LossScaleOptimizer(inner)
+    message = str(info.value)
+    assert "`inner_optimizer`" in message
+    assert f"Received: inner_optimizer={inner!r}" in message
+
+
+def test_wrapper_rejects_base_optimizer_arguments():
+    with pytest.raises(ValueError, match="clipnorm"):
+        LossScaleOptimizer(keras.optimizers.SGD(), clipnorm=1.0)
+    # Their defaults are accepted (old configs carry them).
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(), clipnorm=None, use_ema=False)
+    assert optimizer.dynamic is True
+
+
+def test_stateless_apply_is_refused():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="stateless_apply"):
+        optimizer.stateless_apply([], [], [])
+
+
+# --------------------------------------------------------------------------
+# MirroredStrategy over two logical CPUs, in its own process.
+# --------------------------------------------------------------------------
+
+
+def test_mirrored_strategy_replicas_agree(tmp_path):
+    script = REPO_ROOT / "tests" / "loss_scale_mirrored_script.py"
+    out = tmp_path / "mirrored.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    report = json.loads(out.read_text())
+    assert report["num_replicas"] == 2
+
+    # Custom loop: per-replica gradients; replica 1 alone has a NaN (dense) at
+    # step 2, replica 0 alone an inf (sparse) at step 3.
+    for mode in ["eager", "function"]:
+        run = report["custom_loop"][mode]
+        reference = NumpyLossScaleSGD(
+            [np.array(run["kernel_init"]), np.array(run["embedding_init"])],
+            0.1,
+            0.9,
+            8.0,
+            True,
+            2,
+        )
+        for step, record in enumerate(run["steps"]):
+            summed = [
+                np.zeros_like(reference.values[0]),
+                np.zeros_like(reference.values[1]),
+            ]
+            for c_kernel, c_rows in record["coefficients"]:
+                summed[0] = summed[0] + np.array(c_kernel)
+                summed[1] = summed[1] + _dense_rows_gradient(np.array(c_rows), 5)
+            reference.step(summed)
+            for name, index in [("kernel", 0), ("embedding", 1)]:
+                replicas = record[name]
+                assert len(replicas) == 2
+                # Every replica holds the same value, the reference's.
+                np.testing.assert_array_equal(replicas[0], replicas[1])
+                np.testing.assert_allclose(
+                    replicas[0], reference.values[index], rtol=1e-6, atol=1e-6
+                )
+            assert record["scale"] == [reference.scale] * 2, (mode, step)
+            assert record["skipped"] == [reference.skipped] * 2
+            assert record["iterations"] == reference.iterations
+        assert reference.skipped == 2 and reference.iterations == 3
+
+    fit = report["fit"]
+    assert fit["skipped_steps"][0] >= 1
+    assert fit["loss"][-1] < fit["loss"][0]
+    assert fit["replicas_equal"] is True
+    assert fit["all_finite"] is True
+    assert (
+        fit["loss_scale"][-1] == fit["initial_scale"] / 2.0 ** fit["skipped_steps"][-1]
+    )

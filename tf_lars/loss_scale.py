@@ -1,0 +1,389 @@
+"""Loss scaling for mixed-precision training, with a fixed or a dynamic scale."""
+
+import math
+import numbers
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# The scale lives in a float32 variable. Doubling past the largest float32
+# would make it inf (every later step non-finite, the scale stuck at inf) and
+# halving past the smallest normal float32 drives it to 0 (the unscaled
+# gradient becomes 0 / 0). Keras 3 lets both happen; we stop at the edge.
+_MAX_SCALE = float(np.finfo(np.float32).max)
+_MIN_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def _is_bool(value):
+    return isinstance(value, bool | np.bool_)
+
+
+def _check_initial_scale(initial_scale):
+    if (
+        _is_bool(initial_scale)
+        or not isinstance(initial_scale, numbers.Real)
+        or not math.isfinite(initial_scale)
+        or not 0 < initial_scale <= _MAX_SCALE
+    ):
+        raise ValueError(
+            "`initial_scale` must be a finite number > 0 (at most the largest "
+            f"float32, {_MAX_SCALE:g}). Received: initial_scale={initial_scale!r}"
+        )
+
+
+def _check_dynamic(dynamic):
+    if not _is_bool(dynamic):
+        raise ValueError(f"`dynamic` must be a bool. Received: dynamic={dynamic!r}")
+
+
+def _check_dynamic_growth_steps(dynamic_growth_steps):
+    if (
+        _is_bool(dynamic_growth_steps)
+        or not isinstance(dynamic_growth_steps, numbers.Integral)
+        or dynamic_growth_steps < 1
+    ):
+        raise ValueError(
+            "`dynamic_growth_steps` must be an int >= 1. "
+            f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
+        )
+
+
+def _check_inner_optimizer(inner_optimizer):
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` must not itself be a loss-scale optimizer: the "
+            "loss would be scaled twice. Received: "
+            f"inner_optimizer={inner_optimizer!r}"
+        )
+
+
+def _all_finite(gradients):
+    """A scalar bool tensor: every entry of every gradient is finite.
+
+    Sparse gradients are checked on their values, never densified. The result
+    is a tensor, so under `tf.function` / XLA the decision stays on device.
+    """
+    checks = []
+    for gradient in gradients:
+        if gradient is None:
+            continue
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = gradient.values
+        checks.append(tf.reduce_all(tf.math.is_finite(gradient)))
+    if not checks:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(checks))
+
+
+def _unscale(gradient, scale):
+    """`gradient / scale`, computed in float32 for float16 / bfloat16 gradients.
+
+    The scale can exceed the float16 range (2**16 and up), so it is never cast
+    down to a half-precision gradient dtype.
+    """
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            _unscale(gradient.values, scale), gradient.indices, gradient.dense_shape
+        )
+    dtype = gradient.dtype
+    compute_dtype = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+    unscaled = tf.cast(gradient, compute_dtype) / tf.cast(scale, compute_dtype)
+    return tf.cast(unscaled, dtype)
+
+
+@keras.saving.register_keras_serializable(package="tf_lars")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Scales the loss, unscales and checks the gradients, skips non-finite steps.
+
+    For mixed-precision training (`keras.mixed_precision.set_global_policy(
+    "mixed_float16")`): small float16 gradients underflow to zero unless the
+    loss is multiplied by a large scale `S` before differentiation. This
+    wrapper owns `S`; `model.fit` calls `scale_loss` for you. Each step:
+
+    ```
+    g = grads of (S * loss)
+    if every entry of every g is finite:            # one on-device tf.cond
+        inner_optimizer.apply(g / S)                # the unscaled gradient
+        dynamic: after `dynamic_growth_steps` finite steps in a row, S <- 2 S
+    else:                                           # the step is skipped
+        no model variable, inner slot or inner `iterations` changes
+        skipped_steps <- skipped_steps + 1
+        dynamic: S <- S / 2
+    ```
+
+    With `dynamic=False` the scale is `initial_scale` forever (TF contrib's
+    `FixedLossScaleManager`); non-finite steps are still skipped and counted.
+    Sparse (`tf.IndexedSlices`) gradients are checked and unscaled without
+    being densified. Under `tf.distribute` every replica takes the same skip
+    decision (the per-replica verdicts are summed before branching). The
+    scale is kept within the float32 normal range: it stops doubling at the
+    largest float32 and stops halving at the smallest normal float32.
+
+    Because the gradients are unscaled before the inner optimizer sees them,
+    gradient-dependent rules such as LARS's trust ratio (not scale-invariant
+    when weight decay is on) see the true gradient.
+
+    `dynamic_scale` (the current scale, float32), `step_counter` (finite steps
+    since the last scale change; stays 0 when `dynamic=False`) and
+    `skipped_step_counter` (non-finite steps skipped so far) are optimizer
+    variables: they are saved by `model.save` and `tf.train.Checkpoint`. Read
+    them through the `loss_scale` and `skipped_steps` properties, or log them
+    with `tf_lars.callbacks.LossScaleMonitor`.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer`. The optimizer that
+            applies the unscaled gradients (`tf_lars.LARS` or any Keras
+            optimizer; not itself a loss-scale optimizer). Its own
+            `loss_scale_factor` is set to `None`.
+        initial_scale: float. The loss scale at the start, a finite number
+            > 0. Defaults to `2**15`.
+        dynamic: bool. Whether the scale adapts (halves on a non-finite step,
+            doubles after `dynamic_growth_steps` finite steps in a row).
+            Defaults to `True`.
+        dynamic_growth_steps: int >= 1. Finite steps in a row before the
+            scale doubles; unused when `dynamic=False`. Defaults to `2000`.
+        name: str. The optimizer's name. Defaults to `None`
+            (`"loss_scale_optimizer"`).
+        **kwargs: Keras base optimizer arguments are not supported on the
+            wrapper (set them on `inner_optimizer`); only their default values
+            are accepted, for loading old configs.
+
+    References:
+        - [Micikevicius et al., 2018. Mixed Precision Training](
+          https://arxiv.org/abs/1710.03740)
+        - Keras 3 `keras.optimizers.LossScaleOptimizer` (the dynamic rule);
+          TF contrib `LossScaleOptimizer` / `FixedLossScaleManager` (the
+          fixed one).
+
+    Example:
+
+    Custom training loop:
+
+    >>> var = keras.Variable([1.0, 2.0])
+    >>> opt = tf_lars.LossScaleOptimizer(keras.optimizers.SGD(0.5),
+    ...                                  initial_scale=8.0)
+    >>> with tf.GradientTape() as tape:
+    ...     loss = tf.reduce_sum(var * var) / 2.0
+    ...     scaled = opt.scale_loss(loss)      # loss * 8
+    >>> grads = tape.gradient(scaled, [var])   # [8.0, 16.0]
+    >>> opt.apply(grads, [var])                # applies [1.0, 2.0]
+    >>> var.numpy()
+    array([0.5, 1. ], dtype=float32)
+
+    With `model.fit`:
+
+    ```python
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model.compile(
+        optimizer=tf_lars.LossScaleOptimizer(tf_lars.LARS(learning_rate=1.0)),
+        loss="mse",
+    )
+    model.fit(x, y, callbacks=[tf_lars.callbacks.LossScaleMonitor()])
+    ```
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=2.0**15,
+        dynamic=True,
+        dynamic_growth_steps=2000,
+        name=None,
+        **kwargs,
+    ):
+        # Validated before `super().__init__`, which writes to the inner
+        # optimizer and would fail on a non-optimizer with an AttributeError.
+        _check_inner_optimizer(inner_optimizer)
+        _check_initial_scale(initial_scale)
+        _check_dynamic(dynamic)
+        _check_dynamic_growth_steps(dynamic_growth_steps)
+        super().__init__(
+            inner_optimizer,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(dynamic_growth_steps),
+            name=name,
+            **kwargs,
+        )
+        self.dynamic = bool(dynamic)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        # Creates `step_counter`, `dynamic_scale`, builds the inner optimizer.
+        super().build(var_list)
+        self.skipped_step_counter = self.add_variable(
+            shape=(),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="skipped_step_counter",
+        )
+
+    # ------------------------------------------------------------ read-outs
+    @property
+    def loss_scale(self):
+        """The current loss scale, a float32 scalar tensor."""
+        if not self.built:
+            return tf.constant(self.initial_scale, tf.float32)
+        return tf.convert_to_tensor(self.dynamic_scale.value)
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for a non-finite gradient (int64)."""
+        if not self.built:
+            return tf.constant(0, tf.int64)
+        return tf.cast(tf.convert_to_tensor(self.skipped_step_counter.value), tf.int64)
+
+    def check_finite(self, grads):
+        """A scalar bool tensor: every gradient (dense or sparse) is finite."""
+        return _all_finite(grads)
+
+    # ---------------------------------------------------------------- apply
+    def apply(self, grads, trainable_variables=None):
+        """Unscales and applies `grads`, or skips the step if any is non-finite.
+
+        `grads` are gradients of `scale_loss(loss)`. Call in replica context
+        (eagerly, in a `tf.function`, or inside `strategy.run`).
+        """
+        grads = list(grads)
+        if len(grads) == 0:
+            return
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+                self.built = True
+        elif not self.built:
+            raise ValueError(
+                "When passing `grads` without `trainable_variables`, the "
+                "optimizer must already be built. Call "
+                "`optimizer.build(trainable_variables)` first."
+            )
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("`apply()` must be called in a replica context.")
+
+        # Replicas see different local gradients (the all-reduce happens
+        # inside the inner optimizer): each replica's verdict is combined
+        # before branching, or one replica's inf would reach the variables
+        # through the others' summed gradient.
+        non_finite = tf.cast(tf.logical_not(self.check_finite(grads)), tf.float32)
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            context = tf.distribute.get_replica_context()
+            if context.num_replicas_in_sync > 1:
+                non_finite = context.all_reduce(tf.distribute.ReduceOp.SUM, non_finite)
+            self._apply_or_skip(tf.equal(non_finite, 0.0), grads, trainable_variables)
+        else:
+            # The inner optimizer's update calls `merge_call`, which may not
+            # sit inside a `tf.cond` in replica context: branch in
+            # cross-replica context and re-enter the replicas for the update.
+            tf.distribute.get_replica_context().merge_call(
+                self._cross_replica_apply_or_skip,
+                args=(non_finite, grads, trainable_variables),
+            )
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars, strict=True)
+        self.apply(grads, trainable_variables)
+        # The wrapper's own `_iterations` never moves; report the inner one.
+        return self.iterations
+
+    def _cross_replica_apply_or_skip(
+        self, distribution, non_finite, grads, trainable_variables
+    ):
+        if distribution.num_replicas_in_sync > 1:
+            # Summed where the strategy reduces to (on one host for a single
+            # worker): no extra collective in the step.
+            non_finite = distribution.reduce(
+                tf.distribute.ReduceOp.SUM, non_finite, axis=None
+            )
+        else:
+            (non_finite,) = distribution.experimental_local_results(non_finite)
+
+        def apply_unscaled():
+            distribution.extended.call_for_each_replica(
+                self._apply_unscaled, args=(grads, trainable_variables)
+            )
+
+        tf.cond(tf.equal(non_finite, 0.0), apply_unscaled, self._skip_step)
+
+    def _apply_or_skip(self, finite, grads, trainable_variables):
+        tf.cond(
+            finite,
+            lambda: self._apply_unscaled(grads, trainable_variables),
+            self._skip_step,
+        )
+
+    def _apply_unscaled(self, grads, trainable_variables):
+        scale = tf.convert_to_tensor(self.dynamic_scale.value)
+        variables = trainable_variables or self._trainable_variables
+        unscaled = [
+            g
+            if g is None or self._overwrite_variable_with_gradient(v)
+            else _unscale(g, scale)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+        self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+        if self.dynamic:
+            self._count_finite_step()
+
+    def _count_finite_step(self):
+        def grow():
+            doubled = self.dynamic_scale.value * 2.0
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(
+                tf.where(doubled <= _MAX_SCALE, doubled, self.dynamic_scale.value)
+            )
+
+        def count():
+            self.step_counter.assign_add(1)
+
+        tf.cond(
+            tf.equal(self.step_counter.value, self.dynamic_growth_steps - 1),
+            grow,
+            count,
+        )
+
+    def _skip_step(self):
+        self.skipped_step_counter.assign_add(1)
+        if self.dynamic:
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(
+                tf.maximum(self.dynamic_scale.value * 0.5, _MIN_SCALE)
+            )
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise ValueError(
+            "`stateless_apply` is not supported with the TensorFlow backend; "
+            "use `apply`."
+        )
+
+    # -------------------------------------------------------- serialization
+    def get_config(self):
+        # Not `super().get_config()`: the wrapper has none of the base
+        # optimizer's hyperparameters.
+        return {
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "initial_scale": self.initial_scale,
+            "dynamic": self.dynamic,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner_optimizer = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner_optimizer, **config)
