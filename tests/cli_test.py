@@ -1,0 +1,772 @@
+"""Tests for the `tf-lars` command line (tf_lars/cli.py and its helpers)."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import keras
+import matplotlib.image
+import numpy as np
+import pytest
+import yaml
+
+import tf_lars
+from tf_lars import cli
+from tf_lars._cli_sweep import format_table, plan, summarize
+from tf_lars._config import (
+    ConfigError,
+    apply_overrides,
+    default_config,
+    load_config,
+    optimizer_from_block,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A training small enough for seconds: 5 epochs of 21 steps, an 8-filter CNN.
+TINY_TRAIN = [
+    "--set", "training.epochs=5",
+    "--set", "training.batch_size=64",
+    "--set", "model.width=8",
+    "--set", "schedule.warmup_epochs=1",
+    "--set", "optimizer.config.learning_rate=0.5",
+]  # fmt: skip
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _assert_one_line_error(code, err, command, expected):
+    assert code == 2
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("tf-lars")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"tf-lars {command}: error: ")
+    assert expected in lines[0], lines[0]
+    assert err.strip() == lines[0]
+
+
+def _assert_png(path, min_width=400, min_height=300):
+    assert os.path.getsize(path) > 10_000
+    image = matplotlib.image.imread(path)
+    height, width = image.shape[:2]
+    assert width >= min_width and height >= min_height
+    # Not a blank canvas: the plot draws lines/colours over the background.
+    assert float(np.std(image[..., :3])) > 0.02
+    return image
+
+
+# ------------------------------------------------------------- train: e2e
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("runs")
+    code = cli.main(
+        [
+            "train",
+            *TINY_TRAIN,
+            "--set", f"output_dir={output}",
+            "--set", "run_name=tiny",
+            "--set", "monitor.tensorboard=true",
+        ]
+    )  # fmt: skip
+    return code, output / "tiny"
+
+
+def test_train_exit_code_and_run_folder(tiny_run):
+    code, run_dir = tiny_run
+    assert code == 0
+    names = sorted(os.listdir(run_dir))
+    assert names == [
+        "config.yaml",
+        "curves.png",
+        "history.json",
+        "learning_rate.png",
+        "model.keras",
+        "summary.json",
+        "tensorboard",
+        "trust_ratio.png",
+        "trust_ratios.npz",
+    ]
+    assert os.listdir(run_dir / "tensorboard")[0].startswith("events.out.tfevents")
+    for name in ("curves.png", "learning_rate.png", "trust_ratio.png"):
+        _assert_png(run_dir / name)
+
+
+def test_train_history_is_finite_and_loss_falls(tiny_run):
+    _, run_dir = tiny_run
+    history = json.loads((run_dir / "history.json").read_text())
+    assert history["epoch"] == [1, 2, 3, 4, 5]
+    for key, values in history.items():
+        assert len(values) == 5, key
+        assert all(v is not None and math.isfinite(v) for v in values), key
+    loss = history["loss"]
+    assert loss[-1] < 0.7 * loss[0]
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    assert history["accuracy"][-1] > history["accuracy"][0] + 0.3
+    paths = ["conv1/kernel", "conv1/bias", "conv2/kernel", "conv2/bias",
+             "conv3/kernel", "conv3/bias", "logits/kernel", "logits/bias"]  # fmt: skip
+    ratios = np.load(run_dir / "trust_ratios.npz")
+    assert list(ratios["paths"]) == paths
+    assert ratios["trust_ratios"].shape == (5, 8)
+    assert list(ratios["steps"]) == [21, 42, 63, 84, 105]
+    for index, path in enumerate(paths):
+        np.testing.assert_allclose(
+            history["trust_ratio/" + path], ratios["trust_ratios"][:, index], rtol=1e-6
+        )
+    # Learning rate of each epoch's last step, from the schedule: warm-up of
+    # 21 steps to 0.5, then (1 - t/84)^2 decay.
+    want = [
+        0.5 * 20 / 21,
+        *(0.5 * (1 - (21 * e - 1 - 21) / 84) ** 2 for e in (2, 3, 4, 5)),
+    ]
+    np.testing.assert_allclose(history["learning_rate_at_epoch_end"], want, rtol=1e-5)
+
+
+def test_train_summary_stdout_and_saved_model_agree(tiny_run, capsys):
+    _, run_dir = tiny_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["batch_size"] == 64
+    assert summary["steps_per_epoch"] == 21
+    assert summary["epochs_run"] == 5
+    assert summary["diverged"] is False
+    assert summary["optimizer"] == "LARS"
+    assert summary["peak_learning_rate"] == pytest.approx(0.5, rel=1e-6)
+    assert summary["learning_rate_schedule"]["config"]["warmup_steps"] == 21
+    assert summary["learning_rate_schedule"]["config"]["decay_steps"] == 84
+    assert summary["test_accuracy"] > 0.5
+    # The saved model loads without custom objects and scores the same.
+    model = keras.models.load_model(run_dir / "model.keras")
+    assert isinstance(model.optimizer, tf_lars.LARS)
+    assert isinstance(model.optimizer._learning_rate, tf_lars.WarmupPolynomialDecay)
+    assert int(model.optimizer.iterations.numpy()) == 105
+    data = load_config("train")["data"]
+    from tf_lars._cli_data import load_data
+
+    digits = load_data(data)
+    logits = model.predict(digits.x_test, verbose=0)
+    accuracy = float(np.mean(np.argmax(logits, axis=1) == digits.y_test))
+    assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-6)
+
+
+def test_train_prints_final_accuracies(tmp_path, capsys):
+    code, out, err = _run(
+        capsys, "train", *TINY_TRAIN, "--set", "training.epochs=2",
+        "--set", f"output_dir={tmp_path}", "--set", "run_name=r",
+    )  # fmt: skip
+    assert code == 0, err
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert f"Final train accuracy: {100 * summary['train_accuracy']:.2f}%" in out
+    assert f"Final test accuracy:  {100 * summary['test_accuracy']:.2f}%" in out
+    assert "Epoch 2/2" in out  # Keras progress output
+
+
+def test_resolved_config_reloads_to_the_same_values(tiny_run):
+    _, run_dir = tiny_run
+    resolved = load_config("train", run_dir / "config.yaml")
+    assert resolved["training"]["epochs"] == 5
+    assert resolved["model"]["width"] == 8
+    assert resolved["optimizer"]["class_name"] == "LARS"
+    config = resolved["optimizer"]["config"]
+    assert config["learning_rate"] == 0.5
+    assert config["trust_coefficient"] == 0.02
+    assert config["exclude_from_layer_adaptation"] == []
+    rebuilt = optimizer_from_block(resolved["optimizer"])
+    assert rebuilt.get_config() == tf_lars.LARS(**config).get_config()
+
+
+def test_user_npz_data_with_mlp(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    centers = np.array([[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0]])
+    y = rng.integers(0, 3, size=300)
+    x = centers[y] + rng.normal(scale=0.5, size=(300, 4))
+    path = tmp_path / "blobs.npz"
+    np.savez(path, x_train=x[:240], y_train=y[:240], x_test=x[240:], y_test=y[240:])
+    code, out, err = _run(
+        capsys, "train",
+        "--set", f"data.path={path}", "--set", "model.name=mlp",
+        "--set", "model.width=16", "--set", "training.epochs=8",
+        "--set", "training.batch_size=32", "--set", "schedule.warmup_epochs=1",
+        "--set", "optimizer.config.learning_rate=1.0",
+        "--set", f"output_dir={tmp_path}", "--set", "run_name=blobs",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "240 training / 60 test examples, 3 classes" in out
+    summary = json.loads((tmp_path / "blobs" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.9
+    assert summary["steps_per_epoch"] == 7
+
+
+def test_mixed_precision_with_loss_scale(tmp_path, capsys):
+    code, out, err = _run(
+        capsys, "train", *TINY_TRAIN, "--set", "training.epochs=2",
+        "--set", "training.precision=mixed_float16",
+        "--set", "loss_scale.enabled=true", "--set", "loss_scale.initial_scale=256",
+        "--set", "loss_scale.dynamic_growth_steps=10",
+        "--set", f"output_dir={tmp_path}", "--set", "run_name=mp",
+    )  # fmt: skip
+    assert code == 0, err
+    summary = json.loads((tmp_path / "mp" / "summary.json").read_text())
+    assert summary["optimizer"] == "LossScaleOptimizer"
+    assert summary["inner_optimizer"] == "LARS"
+    history = json.loads((tmp_path / "mp" / "history.json").read_text())
+    # 21 finite steps per epoch, doubling every 10: 256 * 2**2, 256 * 2**4.
+    assert history["loss_scale"] == [1024.0, 4096.0]
+    assert keras.config.dtype_policy().name == "float32"  # restored
+    model = keras.models.load_model(tmp_path / "mp" / "model.keras")
+    assert isinstance(model.optimizer, tf_lars.LossScaleOptimizer)
+    assert model.layers[1].compute_dtype == "float16"
+
+
+def test_train_with_a_keras_optimizer_has_no_trust_ratio_outputs(tmp_path, capsys):
+    path = tmp_path / "sgd.yaml"
+    path.write_text(
+        "optimizer:\n  class_name: SGD\n"
+        "  config: {learning_rate: 0.05, momentum: 0.9}\n"
+        "training: {epochs: 3, batch_size: 64}\nschedule: {warmup_epochs: 1}\n"
+        f"model: {{width: 8}}\noutput_dir: {tmp_path}\nrun_name: sgd\n"
+    )
+    code, out, err = _run(capsys, "train", "--config", str(path))
+    assert code == 0, err
+    run_dir = tmp_path / "sgd"
+    assert "trust_ratio.png" not in os.listdir(run_dir)
+    history = json.loads((run_dir / "history.json").read_text())
+    assert not [key for key in history if key.startswith("trust_ratio")]
+    assert history["loss"][-1] < history["loss"][0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["optimizer"] == "SGD"
+    assert summary["peak_learning_rate"] == pytest.approx(0.05, rel=1e-6)
+    _assert_png(run_dir / "curves.png")
+
+
+# ------------------------------------------------------------ bad inputs
+def _write_npz(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def _good_arrays(n_train=20, n_test=10, shape=(8, 8)):
+    rng = np.random.default_rng(1)
+    return {
+        "x_train": rng.random((n_train, *shape)),
+        "y_train": np.arange(n_train) % 3,
+        "x_test": rng.random((n_test, *shape)),
+        "y_test": np.arange(n_test) % 3,
+    }
+
+
+def _bad_data_cases(tmp_path):
+    good = _good_arrays()
+    cases = {}
+    cases["missing file"] = (
+        str(tmp_path / "nope.npz"),
+        [],
+        f"data.path={tmp_path / 'nope.npz'}: file not found",
+    )
+    text = tmp_path / "text.npz"
+    text.write_text("not an archive")
+    cases["not npz"] = (str(text), [], "cannot read as .npz")
+    renamed = {("X_train" if k == "x_train" else k): v for k, v in good.items()}
+    cases["wrong names"] = (
+        _write_npz(tmp_path / "names.npz", **renamed),
+        [],
+        "missing array(s) x_train; the file has X_train, x_test, y_test, y_train; "
+        "expected x_train, y_train, x_test, y_test",
+    )
+    cases["length mismatch"] = (
+        _write_npz(tmp_path / "len.npz", **{**good, "y_train": good["y_train"][:19]}),
+        [],
+        "x_train has 20 examples but y_train has 19",
+    )
+    cases["feature mismatch"] = (
+        _write_npz(
+            tmp_path / "feat.npz", **{**good, "x_test": good["x_test"][:, :, :7]}
+        ),
+        [],
+        "x_train examples have shape (8, 8) but x_test examples have shape (8, 7)",
+    )
+    negative = good["y_train"].copy()
+    negative[3] = -1
+    cases["negative label"] = (
+        _write_npz(tmp_path / "neg.npz", **{**good, "y_train": negative}),
+        [],
+        "labels out of range: y_train holds class ids in [-1, 2] but they must be "
+        "in [0, 2] (num_classes=3)",
+    )
+    high = good["y_test"].copy()
+    high[0] = 5
+    cases["label >= num_classes"] = (
+        _write_npz(tmp_path / "high.npz", **{**good, "y_test": high}),
+        ["--set", "data.num_classes=3"],
+        "labels out of range: y_test holds class ids in [0, 5] but they must be "
+        "in [0, 2] (num_classes=3)",
+    )
+    cases["fractional labels"] = (
+        _write_npz(tmp_path / "frac.npz", **{**good, "y_train": good["y_train"] + 0.5}),
+        [],
+        "y_train must hold integer class ids",
+    )
+    cases["2-D labels"] = (
+        _write_npz(
+            tmp_path / "onehot.npz", **{**good, "y_train": np.eye(3)[good["y_train"]]}
+        ),
+        [],
+        "y_train must be a 1-D array of class ids, got shape (20, 3)",
+    )
+    nan = good["x_train"].copy()
+    nan[0, 0, 0] = np.nan
+    cases["nan features"] = (
+        _write_npz(tmp_path / "nan.npz", **{**good, "x_train": nan}),
+        [],
+        "x_train holds NaN or infinite values",
+    )
+    flat = _good_arrays(shape=(5,))
+    cases["cnn on flat features"] = (
+        _write_npz(tmp_path / "flat.npz", **flat),
+        [],
+        "`model.name`=cnn needs image examples of shape (H, W) or (H, W, C)",
+    )
+    return cases
+
+
+BAD_DATA = [
+    "missing file", "not npz", "wrong names", "length mismatch", "feature mismatch",
+    "negative label", "label >= num_classes", "fractional labels", "2-D labels",
+    "nan features", "cnn on flat features",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_train(case, tmp_path, capsys):
+    path, extra, expected = _bad_data_cases(tmp_path)[case]
+    output = tmp_path / "out"
+    code, _, err = _run(
+        capsys, "train", "--set", f"data.path={path}", *extra,
+        "--set", "training.batch_size=4", "--set", f"output_dir={output}",
+    )  # fmt: skip
+    _assert_one_line_error(code, err, "train", expected)
+    assert not output.exists()  # nothing written for a refused run
+
+
+def test_bad_data_sweep(tmp_path, capsys):
+    path, _, expected = _bad_data_cases(tmp_path)["wrong names"]
+    code, _, err = _run(capsys, "sweep", "--set", f"data.path={path}")
+    _assert_one_line_error(code, err, "sweep", expected)
+
+
+def test_bad_data_in_a_real_process_has_no_traceback(tmp_path):
+    python_path = os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=python_path)
+    missing = tmp_path / "missing.npz"
+    process = subprocess.run(
+        [sys.executable, "-m", "tf_lars.cli", "train", "--set", f"data.path={missing}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert process.returncode == 2
+    assert "Traceback" not in process.stderr
+    ours = [line for line in process.stderr.splitlines() if "tf-lars" in line]
+    assert ours == [f"tf-lars train: error: data.path={missing}: file not found"]
+    assert process.stdout == ""
+
+
+BAD_CONFIG = [
+    (["--set", "trainng.epochs=3"], "Unknown config key `trainng`. Valid keys in the "
+     "config: seed, output_dir, run_name, data, model, training, schedule, optimizer"),
+    (["--set", "training.epoch=3"], "Unknown config key `training.epoch`. Valid keys "
+     "in `training`: epochs, batch_size, precision, jit_compile, verbose"),
+    (["--set", "training.epochs=ten"],
+     "`training.epochs` must be an int >= 1. Received: training.epochs='ten'"),
+    (["--set", "training.epochs=true"], "Received: training.epochs=True"),
+    (["--set", "training.epochs=0"], "Received: training.epochs=0"),
+    (["--set", "training.batch_size=half"],
+     "`training.batch_size` must be an int >= 1 or 'full'"),
+    (["--set", "data.test_fraction=1.5"],
+     "`data.test_fraction` must be a finite number in (0.0, 1.0)"),
+    (["--set", "model.name=resnet"],
+     "`model.name` must be one of ['cnn', 'mlp']. Received: model.name='resnet'"),
+    (["--set", "training.precision=float8"], "`training.precision` must be one of"),
+    (["--set", "loss_scale.enabled=yes please"], "`loss_scale.enabled` must be true "
+     "or false. Received: loss_scale.enabled='yes please'"),
+    (["--set", "optimizer.config.eeta=0.1"], "Unknown config key "
+     "`optimizer.config.eeta`: not an argument of LARS. Valid keys: "),
+    (["--set", "optimizer.config.nesterov=1"],
+     "`optimizer.config.nesterov` must be true or false"),
+    (["--set", "optimizer.config.momentum=fast"],
+     "`optimizer.config.momentum` must be a number"),
+    (["--set", "optimizer.config.momentum=1.5"], "`optimizer.config`: `momentum` "
+     "must be"),
+    (["--set", "optimizer.config.trust_ratio=weird"],
+     "Received: trust_ratio='weird'"),
+    (["--set", "optimizer.class_name=Foo"], "`optimizer.class_name` must name a "
+     "Keras optimizer (e.g. LARS, SGD, Adam). Received: optimizer.class_name='Foo'"),
+    (["--set", "optimizer.class_name=SGD"], "Unknown config key "
+     "`optimizer.config.trust_coefficient`: not an argument of SGD"),
+    (["--set", "optimizer.class_name=LossScaleOptimizer"], "names a loss-scale "
+     "wrapper"),
+    (["--set", "optimizer.bogus=1"], "Unknown config key `optimizer.bogus`"),
+    (["--set", "training.epochs"],
+     "`--set` must be given as key=value. Received: --set 'training.epochs'"),
+    (["--set", "seed.x=1"], "`--set seed.x`: `seed` is not a block of keys"),
+    (["--set", "training.batch_size=5000"], "`training.batch_size` must be at most "
+     "the training set size (1347) or 'full'. Received: training.batch_size=5000"),
+    (["--set", "schedule.warmup_epochs=200"],
+     "`schedule.warmup_epochs` must be less than the number of epochs (100)"),
+    (["--set", "schedule.end_learning_rate=5.0"],
+     "schedule: `end_learning_rate` must be a finite number in"),
+    (["--set", "loss_scale.enabled=true", "--set", "loss_scale.initial_scale=-1"],
+     "`loss_scale.initial_scale` must be a finite number > 0.0"),
+    (["--set", "training.epochs=[1"], "--set training.epochs: not valid YAML"),
+    (["--config", "/nonexistent/dir/c.yaml"],
+     "--config /nonexistent/dir/c.yaml: cannot read: No such file or directory"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, expected", BAD_CONFIG)
+def test_bad_config_train(argv, expected, tmp_path, capsys):
+    output = tmp_path / "out"
+    code, _, err = _run(capsys, "train", *argv, "--set", f"output_dir={output}")
+    _assert_one_line_error(code, err, "train", expected)
+    assert not output.exists()
+
+
+def test_bad_config_file_contents(tmp_path, capsys):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("training: {epochs: 3\n")
+    code, _, err = _run(capsys, "train", "--config", str(bad_yaml))
+    _assert_one_line_error(code, err, "train", f"--config {bad_yaml}: not valid YAML")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("training:\n  epochs: 3\n  bogus: 1\n")
+    code, _, err = _run(capsys, "train", "--config", str(unknown))
+    _assert_one_line_error(code, err, "train", "Unknown config key `training.bogus`")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    code, _, err = _run(capsys, "train", "--config", str(listing))
+    _assert_one_line_error(code, err, "train", "must hold a mapping of config keys")
+
+
+BAD_SWEEP = [
+    (["--set", "sweep.grid_factors=[]"],
+     "`sweep.grid_factors` must be a list of at least 1 item(s)"),
+    (["--set", "sweep.grid_factors=[0.5, -1]"],
+     "`sweep.grid_factors.1` must be a finite number > 0.0"),
+    (["--set", "sweep.batch_sizes=[32, 99999]"],
+     "`sweep.batch_sizes.1` must be at most the training set size (1347)"),
+    (["--set", "sweep.workers=0"], "`sweep.workers` must be an int >= 1 or 'auto'"),
+    (["--set", "optimizers.1.optimizer.config.momentum=2.0"],
+     "`optimizers.1.optimizer.config`: `momentum` must be"),
+    (["--set", "optimizers.0.label=LARS"], "`optimizers.*.label` must be unique"),
+    (["--set", "optimizers.5.label=x"],
+     "`--set optimizers.5.label`: `optimizers.5` is not an index into a list of 2"),
+    (["--set", "sweep.batch_size=32"], "Unknown config key `sweep.batch_size`"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, expected", BAD_SWEEP)
+def test_bad_config_sweep(argv, expected, tmp_path, capsys):
+    output = tmp_path / "out"
+    code, _, err = _run(capsys, "sweep", *argv, "--set", f"output_dir={output}")
+    _assert_one_line_error(code, err, "sweep", expected)
+    assert not output.exists()
+
+
+def test_command_line_usage_errors(capsys):
+    code, _, err = _run(capsys, "fly")
+    assert code == 2
+    assert "invalid choice: 'fly'" in err
+    code, _, err = _run(capsys)
+    assert code == 2
+    assert "the following arguments are required: COMMAND" in err
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    for command in ("train", "sweep", "bench"):
+        assert command in out
+
+
+# ------------------------------------------------------------ config logic
+def test_optimizer_block_is_get_config_saved_from_python(tmp_path):
+    optimizer = tf_lars.LARS(
+        learning_rate=0.7,
+        momentum=0.8,
+        weight_decay=1e-4,
+        trust_coefficient=0.01,
+        nesterov=True,
+        exclude_from_weight_decay=["bias", "<1d>"],
+        exclude_from_layer_adaptation=[],
+        clipnorm=2.0,
+    )
+    path = tmp_path / "saved.yaml"
+    path.write_text(
+        yaml.safe_dump({"optimizer": keras.optimizers.serialize(optimizer)})
+    )
+    config = load_config("train", path)
+    assert config["optimizer"]["registered_name"] == "tf_lars>LARS"
+    rebuilt = optimizer_from_block(config["optimizer"])
+    assert type(rebuilt) is tf_lars.LARS
+    assert rebuilt.get_config() == optimizer.get_config()
+    # A plain Keras optimizer works the same way.
+    sgd = keras.optimizers.SGD(learning_rate=0.3, momentum=0.5, nesterov=True)
+    path.write_text(yaml.safe_dump({"optimizer": keras.optimizers.serialize(sgd)}))
+    rebuilt = optimizer_from_block(load_config("train", path)["optimizer"])
+    assert type(rebuilt) is keras.optimizers.SGD
+    assert rebuilt.get_config() == sgd.get_config()
+
+
+def test_optimizer_with_schedule_saved_from_python(tmp_path, capsys):
+    schedule = tf_lars.WarmupPolynomialDecay(0.4, 21, 42, end_learning_rate=0.01)
+    optimizer = tf_lars.LARS(learning_rate=schedule, trust_coefficient=0.02)
+    path = tmp_path / "sched.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "optimizer": keras.optimizers.serialize(optimizer),
+                "schedule": {"name": "none"},
+                "training": {"epochs": 3, "batch_size": 64},
+                "model": {"width": 4},
+                "output_dir": str(tmp_path),
+                "run_name": "s",
+            }
+        )
+    )
+    rebuilt = optimizer_from_block(load_config("train", path)["optimizer"])
+    assert rebuilt._learning_rate.get_config() == schedule.get_config()
+    code, _, err = _run(capsys, "train", "--config", str(path))
+    assert code == 0, err
+    history = json.loads((tmp_path / "s" / "history.json").read_text())
+    want = [float(schedule(s)) for s in (20, 41, 62)]
+    np.testing.assert_allclose(history["learning_rate_at_epoch_end"], want, rtol=1e-6)
+
+
+def test_set_values_are_parsed_as_yaml():
+    config = apply_overrides(
+        default_config("sweep"),
+        [
+            "optimizers.1.optimizer.config.weight_decay=1e-4",
+            "sweep.batch_sizes=[64, full]",
+            "run_name=null",
+            "data.path=",
+            "training.jit_compile=false",
+            "optimizers.0.base_learning_rate=2",
+        ],
+    )
+    assert config["optimizers"][1]["optimizer"]["config"]["weight_decay"] == 1e-4
+    assert isinstance(
+        config["optimizers"][1]["optimizer"]["config"]["weight_decay"], float
+    )
+    assert config["sweep"]["batch_sizes"] == [64, "full"]
+    assert config["run_name"] is None and config["data"]["path"] is None
+    assert config["training"]["jit_compile"] is False
+    assert config["optimizers"][0]["base_learning_rate"] == 2
+
+
+def test_user_file_merges_over_default_and_replaces_optimizer(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "training:\n  epochs: 7\n"
+        "optimizer:\n  class_name: Adam\n  config:\n    learning_rate: 1.0e-3\n"
+    )
+    config = load_config("train", path, ["training.batch_size=full"])
+    assert config["training"] == {
+        "epochs": 7,
+        "batch_size": "full",
+        "precision": "float32",
+        "jit_compile": "auto",
+        "verbose": 1,
+    }
+    assert config["optimizer"] == {
+        "class_name": "Adam",
+        "config": {"learning_rate": 0.001},
+    }
+    assert type(optimizer_from_block(config["optimizer"])) is keras.optimizers.Adam
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# -------------------------------------------------------- shipped configs
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_repository_configs_are_the_embedded_defaults(command):
+    embedded = REPO / "tf_lars" / "configs" / f"{command}.yaml"
+    top_level = REPO / "configs" / f"{command}.yaml"
+    assert top_level.read_bytes() == embedded.read_bytes()
+    config = load_config(command)  # validates
+    assert config["seed"] == 0
+    assert load_config(command, top_level) == config
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_every_config_key_has_a_comment(command):
+    text = (REPO / "tf_lars" / "configs" / f"{command}.yaml").read_text()
+    undocumented = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        body = stripped.split("#", 1)[0]
+        is_key = ":" in body and not body.rstrip().endswith(":")
+        if is_key and "#" not in stripped:
+            undocumented.append(line)
+    assert undocumented == []
+
+
+def test_default_sweep_plan():
+    config = load_config("sweep")
+    batch_sizes, factors, tasks = plan(config, 1347)
+    assert batch_sizes == [32, 64, 128, 256, 512, 1347]
+    assert factors == [0.015625, 0.0625, 0.25, 1.0, 4.0]
+    assert len(tasks) == 6 * 2 * 5
+    lars_full = [t for t in tasks if t["label"] == "LARS" and t["batch_size"] == 1347]
+    np.testing.assert_allclose(
+        [t["learning_rate"] for t in lars_full],
+        [0.1 * 1347 / 32 * f for f in factors],
+    )
+    sgd_32 = [
+        t for t in tasks if t["label"] == "SGD-momentum" and t["batch_size"] == 32
+    ]
+    np.testing.assert_allclose(
+        [t["learning_rate"] for t in sgd_32], [0.1 * f for f in factors]
+    )
+
+
+def test_setup_declares_the_console_script():
+    setup = (REPO / "setup.py").read_text()
+    assert '"tf-lars=tf_lars.cli:main"' in setup
+    assert '"tf_lars": ["configs/*.yaml"]' in setup
+
+
+# ------------------------------------------------------------------ sweep
+def _fake_result(label, batch_size, factor, accuracy, diverged=False, collapsed=False):
+    return {
+        "collapsed": collapsed,
+        "label": label,
+        "batch_size": batch_size,
+        "factor": factor,
+        "learning_rate": 0.1 * batch_size / 32 * factor,
+        "test_accuracy": accuracy,
+        "diverged": diverged,
+        "steps_per_epoch": 1347 // batch_size,
+    }
+
+
+def test_summary_and_table_values():
+    results = [
+        _fake_result("SGD", 32, 0.5, 0.95),
+        _fake_result("SGD", 32, 1.0, 0.97),
+        _fake_result("SGD", 32, 2.0, 0.97),  # tie: the linear point wins
+        _fake_result("SGD", 1347, 0.5, 0.60),
+        _fake_result("SGD", 1347, 1.0, float("nan"), diverged=True),
+        _fake_result("SGD", 1347, 2.0, 0.102, collapsed=True),
+        _fake_result("LARS", 32, 0.5, 0.981),
+        _fake_result("LARS", 32, 1.0, 0.98),
+        _fake_result("LARS", 32, 2.0, 0.97),
+        _fake_result("LARS", 1347, 0.5, 0.95),
+        _fake_result("LARS", 1347, 1.0, 0.99),
+        _fake_result("LARS", 1347, 2.0, 0.99),  # tie: factor 1 (closer to 1)
+    ]
+    summary = summarize([32, 1347], ["SGD", "LARS"], results)
+    assert summary["SGD"][32]["best"]["factor"] == 1.0
+    assert summary["SGD"][1347]["linear"]["diverged"] is True
+    assert summary["SGD"][1347]["best"]["factor"] == 0.5
+    assert summary["LARS"][32]["best"]["factor"] == 0.5
+    assert summary["LARS"][1347]["best"]["factor"] == 1.0
+    table = format_table([32, 1347], ["SGD", "LARS"], summary, epochs=10)
+    lines = table.splitlines()
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == [
+        "batch size", "steps", "SGD linear LR",
+        "SGD best of grid", "LARS linear LR", "LARS best of grid",
+    ]  # fmt: skip
+    # Columns are padded to a common width on every line.
+    assert len({len(line) for line in lines}) == 1
+    cells = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert cells == ["32", "420", "97.0 (lr 0.1)", "97.0 (lr 0.1)",
+                     "98.0 (lr 0.1)", "98.1 (lr 0.05)"]  # fmt: skip
+    cells = [c.strip() for c in lines[3].split("|")[1:-1]]
+    assert cells == ["1347", "10", "diverged (lr 4.21)", "60.0 (lr 2.1)",
+                     "99.0 (lr 4.21)", "99.0 (lr 4.21)"]  # fmt: skip
+    # A collapsed run is labelled; the NaN-accuracy diverged run never wins.
+    summary["SGD"][1347]["best"] = results[5]
+    assert "10.2 collapsed (lr 8.42)" in format_table(
+        [32, 1347], ["SGD", "LARS"], summary, epochs=10
+    )
+    only_bad = summarize([1347], ["SGD"], results[4:6])
+    assert only_bad["SGD"][1347]["best"]["factor"] == 2.0
+
+
+def test_sweep_end_to_end_in_two_processes(tmp_path, capsys):
+    code, out, err = _run(
+        capsys, "sweep",
+        "--set", "training.epochs=2", "--set", "schedule.warmup_epochs=1",
+        "--set", "sweep.batch_sizes=[512, full]", "--set", "sweep.grid_factors=[0.5]",
+        "--set", "sweep.workers=2", "--set", "model.width=4",
+        "--set", f"output_dir={tmp_path}", "--set", "run_name=sw",
+    )  # fmt: skip
+    assert code == 0, err
+    run_dir = tmp_path / "sw"
+    assert sorted(os.listdir(run_dir)) == [
+        "config.yaml", "results.json", "sweep.png", "table.md",
+    ]  # fmt: skip
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["workers"] == 2
+    assert results["batch_sizes"] == [512, 1347]
+    runs = results["runs"]
+    assert len(runs) == 8
+    assert {(r["label"], r["batch_size"], r["factor"]) for r in runs} == {
+        (label, b, f)
+        for label in ("SGD-momentum", "LARS")
+        for b in (512, 1347)
+        for f in (0.5, 1.0)
+    }
+    for run in runs:
+        assert run["epochs_run"] == 2
+        assert run["steps_per_epoch"] == 1347 // run["batch_size"]
+        assert run["learning_rate"] == pytest.approx(
+            0.1 * run["batch_size"] / 32 * run["factor"]
+        )
+        assert 0.0 <= run["test_accuracy"] <= 1.0
+    table = (run_dir / "table.md").read_text().strip()
+    assert table in out
+    summary = summarize([512, 1347], ["SGD-momentum", "LARS"], runs)
+    assert format_table([512, 1347], ["SGD-momentum", "LARS"], summary, 2) == table
+    assert out.count("] SGD-momentum") + out.count("] LARS") == 8  # progress lines
+    assert "[8/8]" in out
+    _assert_png(run_dir / "sweep.png")
+
+
+# ------------------------------------------------------------------ bench
+def test_bench_forwards_arguments_and_exit_code(monkeypatch, capsys):
+    calls = []
+    fake = types.ModuleType("tf_lars.bench")
+
+    def fake_main(argv):
+        calls.append(argv)
+        print("| optimizer | ms |")
+        return 3
+
+    fake.main = fake_main
+    monkeypatch.setitem(sys.modules, "tf_lars.bench", fake)
+    monkeypatch.setattr(tf_lars, "bench", fake, raising=False)
+    code, out, _ = _run(capsys, "bench", "--steps", "5", "--sparse")
+    assert code == 3
+    assert calls == [["--steps", "5", "--sparse"]]
+    assert "| optimizer | ms |" in out
+
+
+def test_bench_missing_module_is_a_clean_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tf_lars.bench", None)
+    monkeypatch.delattr(tf_lars, "bench", raising=False)
+    code, _, err = _run(capsys, "bench")
+    _assert_one_line_error(
+        code, err, "bench", "tf_lars.bench is not part of this installation"
+    )

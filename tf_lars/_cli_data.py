@@ -1,0 +1,167 @@
+"""Data loading for the `tf-lars` CLI (private).
+
+The default data set is scikit-learn's handwritten digits (1,797 8x8 images,
+10 classes, shipped inside scikit-learn: nothing is downloaded), split once
+into train and test with a fixed seed and stratified by class. A user's data
+is an `.npz` file with the arrays `x_train, y_train, x_test, y_test`.
+Every problem with the data is a `DataError` with a one-line message.
+"""
+
+import collections
+import os
+import zipfile
+
+import numpy as np
+
+REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+
+Dataset = collections.namedtuple(
+    "Dataset", ["x_train", "y_train", "x_test", "y_test", "num_classes", "source"]
+)
+
+
+class DataError(ValueError):
+    """Unusable training data; the message is one line for the user."""
+
+
+def load_data(data_config):
+    """Loads the data set a validated `data` config block names.
+
+    Returns:
+        A `Dataset`: float32 features (digits: `(N, 8, 8, 1)` scaled to
+        [0, 1]; `.npz`: as stored), int32 labels, the number of classes and
+        a short description of the source.
+
+    Raises:
+        DataError: missing or unreadable file, wrong array names, shapes that
+            disagree, labels that are not integers in [0, num_classes).
+    """
+    if data_config["path"] is None:
+        return _load_digits(data_config)
+    return _load_npz(data_config)
+
+
+def _load_digits(data_config):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x,
+        y,
+        test_size=data_config["test_fraction"],
+        random_state=data_config["split_seed"],
+        stratify=y,
+    )
+    return _finish(
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        data_config["num_classes"],
+        source=(
+            "scikit-learn digits (8x8), stratified split "
+            f"test_fraction={data_config['test_fraction']} "
+            f"split_seed={data_config['split_seed']}"
+        ),
+        where="digits",
+    )
+
+
+def _load_npz(data_config):
+    path = data_config["path"]
+    where = f"data.path={path}"
+    if not os.path.isfile(path):
+        raise DataError(f"{where}: file not found")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            names = sorted(archive.files)
+            missing = [name for name in REQUIRED_ARRAYS if name not in names]
+            if missing:
+                raise DataError(
+                    f"{where}: missing array(s) {', '.join(missing)}; the file has "
+                    f"{', '.join(names) or 'no arrays'}; expected "
+                    f"{', '.join(REQUIRED_ARRAYS)}"
+                )
+            arrays = {name: archive[name] for name in REQUIRED_ARRAYS}
+    except DataError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        detail = " ".join(str(error).split())
+        raise DataError(f"{where}: cannot read as .npz ({detail})") from None
+    return _finish(
+        arrays["x_train"],
+        arrays["y_train"],
+        arrays["x_test"],
+        arrays["y_test"],
+        data_config["num_classes"],
+        source=path,
+        where=where,
+    )
+
+
+def _labels(name, y, where):
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(
+            f"{where}: {name} must be a 1-D array of class ids, got shape {y.shape}"
+        )
+    integral = y.dtype.kind in "iu" or (
+        y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y))
+    )
+    if not integral:
+        raise DataError(f"{where}: {name} must hold integer class ids")
+    return y.astype(np.int64)
+
+
+def _finish(x_train, y_train, x_test, y_test, num_classes, source, where):
+    for name, x in (("x_train", x_train), ("x_test", x_test)):
+        if x.dtype.kind not in "iufb":
+            raise DataError(f"{where}: {name} must be numeric, got dtype {x.dtype}")
+        if x.ndim < 2:
+            raise DataError(
+                f"{where}: {name} must have shape (examples, features...), got "
+                f"shape {x.shape}"
+            )
+        if x.shape[0] == 0:
+            raise DataError(f"{where}: {name} is empty")
+    y_train = _labels("y_train", np.asarray(y_train), where)
+    y_test = _labels("y_test", np.asarray(y_test), where)
+    if len(x_train) != len(y_train):
+        raise DataError(
+            f"{where}: x_train has {len(x_train)} examples but y_train has "
+            f"{len(y_train)}"
+        )
+    if len(x_test) != len(y_test):
+        raise DataError(
+            f"{where}: x_test has {len(x_test)} examples but y_test has {len(y_test)}"
+        )
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise DataError(
+            f"{where}: x_train examples have shape {x_train.shape[1:]} but x_test "
+            f"examples have shape {x_test.shape[1:]}"
+        )
+    x_train = x_train.astype(np.float32)
+    x_test = x_test.astype(np.float32)
+    for name, x in (("x_train", x_train), ("x_test", x_test)):
+        if not np.all(np.isfinite(x)):
+            raise DataError(f"{where}: {name} holds NaN or infinite values")
+    if num_classes is None:
+        num_classes = max(int(max(y_train.max(), y_test.max())) + 1, 2)
+    for name, y in (("y_train", y_train), ("y_test", y_test)):
+        if y.min() < 0 or y.max() >= num_classes:
+            raise DataError(
+                f"{where}: labels out of range: {name} holds class ids in "
+                f"[{int(y.min())}, {int(y.max())}] but they must be in "
+                f"[0, {num_classes - 1}] (num_classes={num_classes})"
+            )
+    return Dataset(
+        x_train,
+        y_train.astype(np.int32),
+        x_test,
+        y_test.astype(np.int32),
+        int(num_classes),
+        source,
+    )

@@ -1,0 +1,160 @@
+"""PNG plots of the `tf-lars` CLI (private). Matplotlib's Agg backend only."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+import numpy as np  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+
+
+def _save(figure, path):
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_curves(history, path):
+    """Loss and accuracy per epoch, train and test, side by side."""
+    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    epochs = np.arange(1, len(history.get("loss", [])) + 1)
+    for key, label, style in (
+        ("loss", "train", "-"),
+        ("val_loss", "test", "--"),
+    ):
+        if key in history:
+            loss_axes.plot(epochs, history[key], style, label=label)
+    loss_axes.set_yscale("log")
+    loss_axes.set_xlabel("epoch")
+    loss_axes.set_ylabel("cross-entropy loss (log scale)")
+    loss_axes.set_title("Loss")
+    loss_axes.legend()
+    loss_axes.grid(alpha=0.3)
+    for key, label, style in (
+        ("accuracy", "train", "-"),
+        ("val_accuracy", "test", "--"),
+    ):
+        if key in history:
+            accuracy_axes.plot(
+                epochs, 100 * np.asarray(history[key]), style, label=label
+            )
+    accuracy_axes.set_xlabel("epoch")
+    accuracy_axes.set_ylabel("accuracy (%)")
+    accuracy_axes.set_title("Accuracy")
+    accuracy_axes.legend()
+    accuracy_axes.grid(alpha=0.3)
+    _save(figure, path)
+
+
+def plot_learning_rate(learning_rates, steps_per_epoch, path):
+    """The learning rate of every optimizer step, x-axis in epochs."""
+    figure, axes = plt.subplots(figsize=(6, 4))
+    steps = np.arange(len(learning_rates))
+    axes.plot(steps / steps_per_epoch, learning_rates)
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("learning rate")
+    axes.set_title(
+        f"Learning rate (peak {np.max(learning_rates):.4g}, "
+        f"{steps_per_epoch} steps/epoch)"
+    )
+    axes.grid(alpha=0.3)
+    _save(figure, path)
+
+
+def plot_trust_ratios(paths, epochs, trust_ratios, path):
+    """Heat map: one row per variable, one column per record, log colour scale.
+
+    Variables whose trust ratio was exactly 1 at every record (excluded from
+    layer adaptation) are left out, and counted in the title.
+    """
+    ratios = np.asarray(trust_ratios, dtype=np.float64)
+    adapted = ~np.all(ratios == 1.0, axis=0)
+    shown = ratios[:, adapted].T
+    names = [name for name, keep in zip(paths, adapted, strict=True) if keep]
+    hidden = len(paths) - len(names)
+    figure, axes = plt.subplots(figsize=(9, 1.2 + 0.35 * max(len(names), 2)))
+    title = "Per-layer LARS trust ratio at each epoch end"
+    if hidden:
+        title += f" ({hidden} excluded variable(s) at 1.0 not shown)"
+    if not names:
+        axes.text(
+            0.5,
+            0.5,
+            "every variable is excluded from layer adaptation",
+            ha="center",
+            va="center",
+        )
+        axes.set_axis_off()
+    else:
+        positive = shown[np.isfinite(shown) & (shown > 0)]
+        low = float(positive.min()) if positive.size else 1e-3
+        high = float(positive.max()) if positive.size else 1.0
+        if not high > low:
+            low, high = low / 2, high * 2
+        image = axes.imshow(
+            np.where(np.isfinite(shown) & (shown > 0), shown, np.nan),
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            norm=LogNorm(vmin=low, vmax=high),
+            extent=(0.5, len(epochs) + 0.5, len(names) - 0.5, -0.5),
+        )
+        axes.set_yticks(range(len(names)))
+        axes.set_yticklabels(names, fontsize=8)
+        axes.set_xlabel("epoch")
+        figure.colorbar(image, ax=axes, label="trust ratio (log scale)")
+    axes.set_title(title, fontsize=10)
+    _save(figure, path)
+
+
+def plot_sweep(batch_sizes, series, path, title):
+    """Test accuracy against batch size.
+
+    Args:
+        batch_sizes: list of int.
+        series: list of `(label, accuracies, diverged, linestyle)`;
+            `accuracies` in [0, 1], NaN for a missing point; `diverged` flags.
+        path: output PNG.
+        title: figure title.
+    """
+    figure, (full_axes, zoom_axes) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    zoom_low = 100.0
+    for index, (label, accuracies, diverged, style) in enumerate(series):
+        accuracies = 100 * np.asarray(accuracies, dtype=np.float64)
+        color = colors[(index // 2) % len(colors)]
+        for axes in (full_axes, zoom_axes):
+            axes.plot(
+                batch_sizes, accuracies, style, color=color, marker="o", label=label
+            )
+            bad = np.asarray(diverged, dtype=bool)
+            if bad.any():
+                axes.plot(
+                    np.asarray(batch_sizes)[bad],
+                    accuracies[bad],
+                    "x",
+                    color="red",
+                    markersize=10,
+                    markeredgewidth=2,
+                )
+        good = accuracies[np.isfinite(accuracies) & (accuracies > 80)]
+        if good.size:
+            zoom_low = min(zoom_low, float(good.min()))
+    zoom_low = max(0.0, math.floor(zoom_low) - 1.0)
+    for axes in (full_axes, zoom_axes):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(batch_sizes)
+        axes.set_xticklabels([str(b) for b in batch_sizes])
+        axes.set_xlabel("batch size")
+        axes.set_ylabel("test accuracy (%)")
+        axes.grid(alpha=0.3)
+    full_axes.set_ylim(0, 100)
+    full_axes.set_title("All runs (red x: collapsed to chance or NaN loss)")
+    zoom_axes.set_ylim(zoom_low, 100)
+    zoom_axes.set_title(f"Zoom: {zoom_low:g}-100%")
+    zoom_axes.legend(fontsize=8, loc="lower left")
+    figure.suptitle(title, fontsize=10)
+    _save(figure, path)

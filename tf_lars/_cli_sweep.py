@@ -1,0 +1,354 @@
+"""`tf-lars sweep` (private): accuracy against batch size, SGD vs LARS.
+
+For every batch size and every configured optimizer, the learning rate is
+scaled linearly from `sweep.base_batch_size` (`base_learning_rate * batch /
+base_batch_size`), then multiplied by each of `sweep.grid_factors` (the
+factor 1 is always run: it is the "linear" result). Each grid point is one
+`fit_once` run with the same model, seed, epochs and warm-up + polynomial
+decay schedule. Grid points run in parallel worker processes (spawned, so
+each has its own TensorFlow runtime, pinned to `cores // workers` threads).
+"""
+
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+from tf_lars._config import ConfigError, dump_config
+from tf_lars.schedules import linear_scaled_learning_rate
+
+_WORKER_DATA = {}
+
+
+def available_cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def plan(config, num_train):
+    """The list of grid points (dicts) a validated sweep config asks for."""
+    batch_sizes = []
+    for index, batch_size in enumerate(config["sweep"]["batch_sizes"]):
+        if batch_size == "full":
+            batch_size = num_train
+        elif batch_size > num_train:
+            key = f"sweep.batch_sizes.{index}"
+            raise ConfigError(
+                f"`{key}` must be at most the training set size ({num_train}) or "
+                f"'full'. Received: {key}={batch_size!r}"
+            )
+        if batch_size not in batch_sizes:
+            batch_sizes.append(batch_size)
+    batch_sizes.sort()
+    factors = sorted(set(config["sweep"]["grid_factors"]) | {1.0})
+    base_batch_size = config["sweep"]["base_batch_size"]
+    tasks = []
+    for batch_size in batch_sizes:
+        for entry in config["optimizers"]:
+            linear = linear_scaled_learning_rate(
+                entry["base_learning_rate"], batch_size, base_batch_size
+            )
+            for factor in factors:
+                tasks.append(
+                    {
+                        "batch_size": batch_size,
+                        "label": entry["label"],
+                        "factor": factor,
+                        "learning_rate": linear * factor,
+                        "optimizer": entry["optimizer"],
+                    }
+                )
+    return batch_sizes, factors, tasks
+
+
+def _init_worker(threads):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    # XLA's CPU backend sizes its own pool from this flag, not from the above.
+    tf.get_logger().setLevel("ERROR")
+
+
+def run_task(config, task):
+    """Trains one grid point; returns a JSON-able result dict."""
+    from tf_lars._cli_data import load_data
+    from tf_lars._cli_train import fit_once
+
+    key = json.dumps(config["data"], sort_keys=True)
+    if key not in _WORKER_DATA:
+        _WORKER_DATA[key] = load_data(config["data"])
+    data = _WORKER_DATA[key]
+    result = fit_once(
+        data,
+        model_config=config["model"],
+        optimizer_block=task["optimizer"],
+        learning_rate=task["learning_rate"],
+        schedule_config={"name": "warmup_polynomial_decay", **config["schedule"]},
+        batch_size=task["batch_size"],
+        epochs=config["training"]["epochs"],
+        seed=config["seed"],
+        jit_compile=config["training"]["jit_compile"],
+        verbose=0,
+    )
+    losses = result["history"].get("loss", [])
+    # A run that ends with a finite loss still at chance level (every logit
+    # constant: typically all ReLUs switched off by too large early steps).
+    chance_loss = math.log(data.num_classes)
+    collapsed = (
+        not result["diverged"]
+        and result["train_loss"] >= 0.95 * chance_loss
+        and result["train_accuracy"] < 1.5 / data.num_classes
+    )
+    return {
+        **{name: value for name, value in task.items() if name != "optimizer"},
+        "test_accuracy": result["test_accuracy"],
+        "train_accuracy": result["train_accuracy"],
+        "train_loss": _finite_or_none(result["train_loss"]),
+        "diverged": result["diverged"],
+        "diverged_epoch": result["diverged_epoch"],
+        "collapsed": collapsed,
+        "epochs_run": len(losses),
+        "steps_per_epoch": result["steps_per_epoch"],
+        "seconds": result["seconds"],
+    }
+
+
+def _finite_or_none(value):
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _describe(task):
+    choice = "linear" if task["factor"] == 1.0 else f"x{task['factor']:g}"
+    return (
+        f"{task['label']:<14} batch {task['batch_size']:>5}  "
+        f"lr {task['learning_rate']:<8.4g} {'(' + choice + ')':<11}"
+    )
+
+
+def execute(config, tasks, workers, out=print):
+    """Runs every task, in `workers` processes; prints a line per result."""
+    cores = available_cores()
+    threads = max(1, cores // workers)
+    total = len(tasks)
+    out(
+        f"Running {total} trainings on {workers} worker process(es) x "
+        f"{threads} thread(s) ({cores} core(s) available)."
+    )
+    started = time.perf_counter()
+    results = [None] * total
+
+    def report(done, index, result):
+        elapsed = time.perf_counter() - started
+        remaining = elapsed / done * (total - done)
+        status = (
+            "DIVERGED (NaN loss)"
+            if result["diverged"]
+            else "COLLAPSED (loss stuck at chance)"
+            if result.get("collapsed")
+            else ""
+        )
+        out(
+            f"[{done:>{len(str(total))}}/{total}] {_describe(result)}  "
+            f"test acc {100 * result['test_accuracy']:6.2f}%  "
+            f"{result['seconds']:5.1f}s  elapsed {elapsed:5.0f}s  "
+            f"eta {remaining:4.0f}s {status}".rstrip()
+        )
+        results[index] = result
+
+    # Most expensive first (smallest batches take the most steps), so the
+    # last process to finish is not left alone with a long run.
+    order = sorted(range(total), key=lambda i: tasks[i]["batch_size"])
+    if workers == 1:
+        for done, index in enumerate(order, start=1):
+            report(done, index, run_task(config, tasks[index]))
+        return results
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(threads,),
+    ) as pool:
+        futures = {pool.submit(run_task, config, tasks[i]): i for i in order}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            report(done, futures[future], future.result())
+    return results
+
+
+def summarize(batch_sizes, labels, results):
+    """`{label: {batch_size: {"linear": result, "best": result}}}`.
+
+    "best" is the grid point with the highest test accuracy (ties go to the
+    factor closest to 1, then the smaller learning rate; diverged runs last).
+    """
+    summary = {label: {} for label in labels}
+    for label in labels:
+        for batch_size in batch_sizes:
+            runs = [
+                r
+                for r in results
+                if r["label"] == label and r["batch_size"] == batch_size
+            ]
+            linear = next(r for r in runs if r["factor"] == 1.0)
+            best = max(
+                runs,
+                key=lambda r: (
+                    _score(r),
+                    -abs(math.log(r["factor"])),
+                    -r["learning_rate"],
+                ),
+            )
+            summary[label][batch_size] = {"linear": linear, "best": best}
+    return summary
+
+
+def _score(result):
+    """Test accuracy for ranking; a diverged run ranks last."""
+    accuracy = result["test_accuracy"]
+    if result["diverged"] or accuracy is None or not math.isfinite(accuracy):
+        return -1.0
+    return accuracy
+
+
+def _cell(result):
+    if result["diverged"]:
+        accuracy = "diverged"
+    else:
+        accuracy = f"{100 * result['test_accuracy']:.1f}"
+        if result.get("collapsed"):
+            accuracy += " collapsed"
+    return f"{accuracy} (lr {result['learning_rate']:.3g})"
+
+
+def format_table(batch_sizes, labels, summary, epochs):
+    """A Markdown table: rows batch size, columns optimizer x LR choice."""
+    header = ["batch size", "steps"]
+    for label in labels:
+        header += [f"{label} linear LR", f"{label} best of grid"]
+    rows = []
+    for batch_size in batch_sizes:
+        first = summary[labels[0]][batch_size]["linear"]
+        row = [str(batch_size), str(first["steps_per_epoch"] * epochs)]
+        for label in labels:
+            row += [
+                _cell(summary[label][batch_size]["linear"]),
+                _cell(summary[label][batch_size]["best"]),
+            ]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells):
+        return (
+            "| "
+            + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+            + " |"
+        )
+
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), separator, *(line(r) for r in rows)])
+
+
+def run_sweep(config, run_dir, out=print):
+    """The whole sweep; writes results.json, table.md, sweep.png, config.yaml."""
+    from tf_lars._cli_data import load_data
+    from tf_lars._cli_plots import plot_sweep
+
+    data = load_data(config["data"])
+    batch_sizes, factors, tasks = plan(config, len(data.x_train))
+    labels = []
+    for entry in config["optimizers"]:
+        if entry["label"] in labels:
+            raise ConfigError(
+                "`optimizers.*.label` must be unique. "
+                f"Received: label={entry['label']!r} twice"
+            )
+        labels.append(entry["label"])
+    # Fail on a bad model or optimizer config before starting any process.
+    from tf_lars._cli_train import build_model
+    from tf_lars._config import optimizer_from_block
+
+    build_model(config["model"], data.x_train.shape[1:], data.num_classes)
+    for index, entry in enumerate(config["optimizers"]):
+        optimizer_from_block(
+            entry["optimizer"],
+            learning_rate=entry["base_learning_rate"],
+            key=f"optimizers.{index}.optimizer",
+        )
+    workers = config["sweep"]["workers"]
+    if workers == "auto":
+        workers = available_cores()
+    workers = max(1, min(workers, len(tasks)))
+    epochs = config["training"]["epochs"]
+    out(
+        f"Sweep: {len(data.x_train)} training / {len(data.x_test)} test examples "
+        f"({data.source}); batch sizes {batch_sizes}; optimizers {labels}; "
+        f"learning-rate factors {factors} around the linear rule "
+        f"(base batch {config['sweep']['base_batch_size']}); {epochs} epochs each."
+    )
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as handle:
+        handle.write(dump_config(config))
+    started = time.perf_counter()
+    results = execute(config, tasks, workers, out=out)
+    wall = time.perf_counter() - started
+    summary = summarize(batch_sizes, labels, results)
+    table = format_table(batch_sizes, labels, summary, epochs)
+    with open(os.path.join(run_dir, "results.json"), "w", encoding="utf-8") as handle:
+        json.dump(
+            {
+                "batch_sizes": batch_sizes,
+                "factors": factors,
+                "labels": labels,
+                "workers": workers,
+                "wall_seconds": wall,
+                "runs": results,
+            },
+            handle,
+            indent=1,
+        )
+    with open(os.path.join(run_dir, "table.md"), "w", encoding="utf-8") as handle:
+        handle.write(table + "\n")
+    series = []
+    for label in labels:
+        for choice, style in (("linear", "--"), ("best", "-")):
+            picked = [summary[label][b][choice] for b in batch_sizes]
+            series.append(
+                (
+                    f"{label}, {'linear LR' if choice == 'linear' else 'best of grid'}",
+                    [r["test_accuracy"] for r in picked],
+                    [r["diverged"] or r.get("collapsed", False) for r in picked],
+                    style,
+                )
+            )
+    plot_sweep(
+        batch_sizes,
+        series,
+        os.path.join(run_dir, "sweep.png"),
+        title=(
+            f"Test accuracy after {epochs} epochs, warm-up "
+            f"{config['schedule']['warmup_epochs']:g} epochs + poly decay "
+            f"(power {config['schedule']['power']:g}); {data.source}"
+        ),
+    )
+    out("")
+    out(f"Test accuracy (%) after {epochs} epochs; (lr) = peak learning rate used:")
+    out(table)
+    out(
+        "collapsed = training loss stuck at chance level (constant prediction); "
+        "diverged = loss became NaN/inf. Best of grid = highest test accuracy "
+        "among the grid points (an optimistic, oracle choice)."
+    )
+    out("")
+    out(
+        f"Wall time {wall:.0f}s. Results in {run_dir}/ (results.json, table.md, "
+        "sweep.png, config.yaml)"
+    )
+    sys.stdout.flush()
+    return {"summary": summary, "results": results, "table": table, "wall": wall}
