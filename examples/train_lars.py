@@ -43,12 +43,14 @@ def main(argv=None):
     x, y = make_data(args.samples)
     split = int(0.8 * len(x))
     steps_per_epoch = -(-split // args.batch_size)
-    # Linear scaling: 0.1 per 256 examples, then warm-up over 2 epochs.
-    peak = 0.1 * args.batch_size / 256
-    schedule = keras.optimizers.schedules.PolynomialDecay(
-        initial_learning_rate=peak,
-        decay_steps=args.epochs * steps_per_epoch,
-        end_learning_rate=0.0,
+    # Linear scaling from 0.1 at batch 256, a 2-epoch linear warm-up, then
+    # polynomial (power 2) decay to 0: the large-batch LARS recipe.
+    peak = tf_lars.schedules.linear_scaled_learning_rate(0.1, args.batch_size, 256)
+    warmup_steps = 2 * steps_per_epoch
+    schedule = tf_lars.WarmupPolynomialDecay(
+        peak_learning_rate=peak,
+        warmup_steps=warmup_steps,
+        decay_steps=args.epochs * steps_per_epoch - warmup_steps,
         power=2.0,
     )
     optimizer = tf_lars.LARS(

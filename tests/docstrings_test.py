@@ -18,11 +18,17 @@ def _public_objects():
 @pytest.mark.parametrize("name, obj", list(_public_objects()))
 def test_docstring_examples_run(name, obj):
     finder = doctest.DocTestFinder(recurse=False)
-    tests = finder.find(obj, name, globs={"keras": keras, "tf": tf, "np": np, "tf_lars": tf_lars})
+    tests = finder.find(
+        obj, name, globs={"keras": keras, "tf": tf, "np": np, "tf_lars": tf_lars}
+    )
     examples = sum(len(t.examples) for t in tests)
     assert examples > 0, f"{name} has no runnable example"
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    runner = doctest.DocTestRunner(
+        optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
+    )
     for test in tests:
         runner.run(test)
     result = runner.summarize(verbose=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+    assert result.failed == 0, (
+        f"{result.failed} of {result.attempted} examples failed in {name}"
+    )

@@ -1,0 +1,156 @@
+"""Faults on a real multi-process cluster started by the launcher.
+
+Each test kills a task with SIGKILL in the middle of training. The workers'
+input pipeline sleeps a little per batch (`--input-delay-ms`) so that the
+run lasts long enough to fail and recover in, without burning the CPU.
+"""
+
+import re
+
+import pytest
+
+from tests.distribute_launch_helpers import LaunchedCluster, read_json
+
+PERIOD = 5
+STEPS_PER_WORKER = 500
+TARGET = 2 * STEPS_PER_WORKER // PERIOD  # K * N / P commits in a failure-free run
+
+
+def _program(result_path, delay_ms, *extra):
+    return [
+        "--period",
+        str(PERIOD),
+        "--steps-per-worker",
+        str(STEPS_PER_WORKER),
+        "--input-delay-ms",
+        str(delay_ms),
+        "--checkpoint-every",
+        "20",
+        "--result-json",
+        str(result_path),
+        *extra,
+    ]
+
+
+def _check_finished(result, output):
+    # A worker killed mid-round may have pushed its commit before dying, and
+    # the coordinator then runs the round again: at most one extra round.
+    assert TARGET <= result["commits"] <= TARGET + 1, output[-6000:]
+    assert result["local_steps"] == result["commits"] * PERIOD
+    assert result["test_accuracy"] >= 0.9, result
+
+
+@pytest.mark.slow
+def test_worker_killed_and_restarted_training_finishes(tmp_path):
+    result_path = tmp_path / "result.json"
+    with LaunchedCluster(
+        tmp_path / "logs",
+        ["--workers", "2", "--ps", "1", "--restart-workers", "--restart-delay", "0.5"],
+        _program(result_path, 25),
+    ) as run:
+        run.wait_for(r"\[agn\] commits 20/", 180)
+        killed = run.kill_task("worker", 1)
+        run.wait_for(r"\[launch\] worker 1 exited with signal SIGKILL; restarting", 30)
+        run.wait_for(r"\[launch\] worker 1 restarted: pid \d+", 30)
+        code = run.wait(240)
+        output = run.output
+        assert run.task("worker", 1)["pid"] != killed
+        assert run.task("worker", 1)["restarts"] == 1
+
+    assert code == 0, output[-6000:]
+    assert "[agn] worker /job:worker/replica:0/task:1 failed" in output
+    assert "[agn] worker /job:worker/replica:0/task:1 recovered and rejoined" in output
+    result = read_json(result_path)
+    _check_finished(result, output)
+    # The restarted worker's local state is new; it trained after it rejoined.
+    steps = re.search(
+        r"local steps per worker since its \(re\)start: \[(\d+), (\d+)\]", output
+    )
+    assert steps, output[-3000:]
+    assert int(steps.group(2)) > 0
+    assert int(steps.group(1)) + int(steps.group(2)) < result["local_steps"]
+
+
+@pytest.mark.slow
+def test_worker_that_never_returns_training_finishes_on_the_rest(tmp_path):
+    result_path = tmp_path / "result.json"
+    with LaunchedCluster(
+        tmp_path / "logs", ["--workers", "2", "--ps", "1"], _program(result_path, 5)
+    ) as run:
+        run.wait_for(r"\[agn\] commits 20/", 180)
+        run.kill_task("worker", 1)
+        run.wait_for(
+            r"\[launch\] worker 1 exited with signal SIGKILL; not restarted", 30
+        )
+        code = run.wait(240)
+        output = run.output
+
+    assert code == 0, output[-6000:]
+    assert "[agn] worker /job:worker/replica:0/task:1 failed" in output
+    result = read_json(result_path)
+    _check_finished(result, output)
+    assert re.search(
+        r"local steps per worker since its \(re\)start: \[\d+, None\]", output
+    )
+
+
+@pytest.mark.slow
+def test_parameter_server_killed_then_rerun_resumes_from_checkpoint(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    first = tmp_path / "first.json"
+    with LaunchedCluster(
+        tmp_path / "logs1",
+        ["--workers", "2", "--ps", "1"],
+        _program(first, 10, "--checkpoint-dir", str(checkpoints)),
+    ) as run:
+        saved = int(
+            run.wait_for(r"\[agn\] checkpoint saved: \S+ \(commit (\d+)\)", 180).group(
+                1
+            )
+        )
+        ps_address = run.task("ps", 0)["address"]
+        run.kill_task("ps", 0)
+        code = run.wait(120)
+        output = run.output
+
+    # The chief stops with a message that names the task; the launcher stops
+    # the rest and passes the chief's status on.
+    assert code == 3, output[-6000:]
+    message = re.search(
+        r"error: parameter server /job:ps/replica:0/task:0 \((\S+)\) is unavailable; "
+        r"training stopped\. Restart the parameter servers and rerun: training "
+        r"resumes from (\S+) \(commit (\d+)\)\.",
+        output,
+    )
+    assert message, output[-6000:]
+    assert message.group(1) == ps_address
+    last_checkpoint_commit = int(message.group(3))
+    saves = [
+        int(c) for c in re.findall(r"checkpoint saved: \S+ \(commit (\d+)\)", output)
+    ]
+    assert saves[0] == saved and last_checkpoint_commit == saves[-1]
+    reached = max(int(c) for c in re.findall(r"\[agn\] commits (\d+)/", output))
+    assert not first.exists()
+
+    second = tmp_path / "second.json"
+    with LaunchedCluster(
+        tmp_path / "logs2",
+        ["--workers", "2", "--ps", "1"],
+        _program(second, 0, "--checkpoint-dir", str(checkpoints)),
+    ) as run:
+        code = run.wait(240)
+        output = run.output
+
+    assert code == 0, output[-6000:]
+    assert re.search(
+        rf"\[agn\] restored \S+ \(commit {last_checkpoint_commit}\)", output
+    )
+    assert f"starting at commit {last_checkpoint_commit}" in output
+    result = read_json(second)
+    assert result["restored_commits"] == last_checkpoint_commit
+    # Lost to the failure: at most the rounds since that checkpoint (20
+    # commits between checkpoints, plus the rounds in flight).
+    assert 0 <= reached - last_checkpoint_commit <= 20 + 2
+    assert result["commits"] == TARGET
+    assert result["local_steps"] == TARGET * PERIOD
+    assert result["test_accuracy"] >= 0.9

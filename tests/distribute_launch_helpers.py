@@ -1,0 +1,153 @@
+"""Run `python -m tf_lars.distribute.launch` from a test and watch its output.
+
+Every launcher runs in its own process group and every task in its own
+session; `LaunchedCluster.close` kills the launcher and each task's group,
+so no process outlives the test, whatever happened.
+"""
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launcher_env():
+    env = dict(os.environ)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class LaunchedCluster:
+    """A launcher process whose output lines are collected as they come."""
+
+    def __init__(self, log_dir, launcher_args, program_args):
+        self.log_dir = str(log_dir)
+        command = [
+            sys.executable,
+            "-m",
+            "tf_lars.distribute.launch",
+            "--log-dir",
+            self.log_dir,
+            *launcher_args,
+            "--",
+            "tf_lars.distribute.train_example",
+            *program_args,
+        ]
+        self.lines = []
+        self._queue = queue.Queue()
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=launcher_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    @property
+    def output(self):
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern, timeout):
+        """Returns the regex match of the first new line matching `pattern`."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"no line matching {pattern!r} within {timeout}s; output:\n"
+                    + self.output[-6000:]
+                )
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(
+                    f"launcher ended before a line matched {pattern!r}; output:\n"
+                    + self.output[-6000:]
+                )
+            match = regex.search(line)
+            if match:
+                return match
+
+    def state(self):
+        with open(os.path.join(self.log_dir, "cluster.json")) as handle:
+            return json.load(handle)
+
+    def task(self, task_type, index):
+        for task in self.state()["tasks"]:
+            if task["type"] == task_type and task["index"] == index:
+                return task
+        raise KeyError((task_type, index))
+
+    def kill_task(self, task_type, index):
+        pid = self.task(task_type, index)["pid"]
+        os.killpg(pid, signal.SIGKILL)
+        return pid
+
+    def wait(self, timeout):
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"launcher still running after {timeout}s; output:\n"
+                + self.output[-6000:]
+            ) from None
+        self._reader.join(10)
+        return code
+
+    def close(self):
+        task_pids = []
+        try:
+            task_pids = [t["pid"] for t in self.state()["tasks"] if t["pid"]]
+        except (OSError, ValueError, KeyError):
+            pass
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        for pid in [self.process.pid, *task_pids]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_json(path):
+    with open(path) as handle:
+        return json.load(handle)

@@ -1,0 +1,101 @@
+"""End to end: the launcher starts 1 chief, 2 workers and 1 parameter server
+as separate processes on localhost and AGN trains a digits classifier."""
+
+import errno
+import os
+import re
+import signal
+import socket
+
+import pytest
+
+from tests.distribute_launch_helpers import LaunchedCluster, read_json
+
+# The accuracy this run reaches is stated in docs/agn.md; the bar leaves room
+# for the random worker interleaving (measured 0.975-0.986).
+ACCURACY = 0.95
+
+
+def _refused(address):
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.settimeout(2.0)
+        code = sock.connect_ex(
+            ("127.0.0.1" if host == "localhost" else host, int(port))
+        )
+    return code in (errno.ECONNREFUSED, errno.ECONNRESET)
+
+
+@pytest.mark.slow
+def test_two_workers_one_ps_train_digits(tmp_path):
+    result_path = tmp_path / "result.json"
+    args = [
+        "--period",
+        "10",
+        "--steps-per-worker",
+        "300",
+        "--batch-size",
+        "32",
+        "--learning-rate",
+        "0.5",
+        "--result-json",
+        str(result_path),
+    ]
+    with LaunchedCluster(
+        tmp_path / "logs", ["--workers", "2", "--ps", "1"], args
+    ) as run:
+        network = run.wait_for(r"\[launch\] network: (\w+)", 60).group(1)
+        run.wait_for(r"\[agn\] commits \d+/60 ", 180)
+        cluster = run.state()["cluster"]
+        if network == "private":
+            # TensorFlow's servers listen on all interfaces; in the launcher's
+            # private network namespace nothing outside it can connect.
+            for address in cluster["ps"] + cluster["worker"]:
+                assert _refused(address), address
+        else:
+            assert "no authentication" in run.output
+        code = run.wait(180)
+        output = run.output
+
+    assert code == 0, output[-6000:]
+    for task in ("chief", "worker", "ps"):
+        assert re.search(rf"\[launch\] {task} 0 .* log .*{task}-0\.log", output), output
+    assert re.search(r"\[launch\] worker 1 .* log .*worker-1\.log", output)
+    assert "[launch] chief exited with status 0; stopping the other tasks" in output
+    for name in ("chief-0", "worker-0", "worker-1", "ps-0"):
+        assert os.path.getsize(tmp_path / "logs" / f"{name}.log") > 0
+    assert "serving on" in (tmp_path / "logs" / "ps-0.log").read_text()
+
+    result = read_json(result_path)
+    # K * N / P = 2 * 300 / 10 commits, counted at the center.
+    assert result["commits"] == result["target_commits"] == 60
+    assert result["local_steps"] == 600
+    assert result["test_accuracy"] >= ACCURACY, result
+    progress = re.findall(
+        r"\[agn\] commits (\d+)/60 \| local steps (\d+) \| loss ([\d.]+)", output
+    )
+    assert [int(c) for c, _, _ in progress] == [10, 20, 30, 40, 50, 60]
+    assert float(progress[-1][2]) < float(progress[0][2])
+    # Each commit pushes one gradient (the model's size) to the parameter server.
+    assert result["pushed_payload_bytes"] == 60 * result["param_bytes"]
+    if result["ps_bytes_received"] is not None:
+        assert result["ps_bytes_received"] >= result["pushed_payload_bytes"]
+
+
+@pytest.mark.slow
+def test_interrupt_stops_every_task(tmp_path):
+    args = ["--period", "5", "--steps-per-worker", "5000", "--input-delay-ms", "5"]
+    with LaunchedCluster(
+        tmp_path / "logs", ["--workers", "2", "--ps", "1"], args
+    ) as run:
+        run.wait_for(r"\[agn\] commits \d+/", 180)
+        pids = [task["pid"] for task in run.state()["tasks"]]
+        assert len(pids) == 4
+        run.process.send_signal(signal.SIGINT)
+        code = run.wait(60)
+        output = run.output
+    assert code == 128 + signal.SIGINT, output[-4000:]
+    assert "[launch] got SIGINT; stopping all tasks" in output
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

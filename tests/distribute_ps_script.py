@@ -1,0 +1,188 @@
+"""AGN on an in-process ParameterServerStrategy cluster (2 workers, 1 ps).
+
+Run by tests/distribute_ps_test.py in its own process (the servers cannot be
+shut down): prints one JSON line `RESULT {...}` with what it measured, then
+leaves with `os._exit`.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_lars  # noqa: E402
+from tf_lars.distribute import cluster  # noqa: E402
+from tf_lars.distribute import trainer as trainer_lib
+
+
+class TwoWeights(keras.layers.Layer):
+    """w0 + w1 for every example: with loss -mean(y_pred) both gradients are -1."""
+
+    def build(self, input_shape):
+        self.w0 = self.add_weight(
+            shape=(), initializer=keras.initializers.Constant(0.0), name="w0"
+        )
+        self.w1 = self.add_weight(
+            shape=(), initializer=keras.initializers.Constant(0.5), name="w1"
+        )
+
+    def call(self, x):
+        return tf.zeros_like(x) + self.w0 + self.w1
+
+
+def negative_mean(y_true, y_pred):
+    del y_true
+    return -tf.reduce_mean(y_pred)
+
+
+def dataset_fn(input_context):
+    del input_context
+    return tf.data.Dataset.from_tensors((tf.ones([1, 1]), tf.zeros([1, 1])))
+
+
+def center(model):
+    return [float(v.numpy()) for v in model.trainable_variables]
+
+
+def seed_reference(strategy, coordinator):
+    """Period 1, Adam(0.1, 0, 0): the center moves 0.1 per commit."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), TwoWeights()])
+        optimizer = tf_lars.AGN(
+            keras.optimizers.Adam(0.1, beta_1=0.0, beta_2=0.0), communication_period=1
+        )
+    trainer = trainer_lib.ParameterServerTrainer(
+        model,
+        negative_mean,
+        optimizer,
+        dataset_fn,
+        strategy,
+        coordinator=coordinator,
+        checkpoint_every=1,
+        log=lambda line: None,
+    )
+    centers = [center(model)]
+    for commits in range(1, 7):
+        trainer.fit(rounds=commits)
+        centers.append(center(model))
+    apply_error = None
+    try:
+        optimizer.apply([tf.constant(1.0), tf.constant(1.0)])
+    except ValueError as error:
+        apply_error = str(error)
+    return {
+        "centers": centers,
+        "commits": int(optimizer.commits.numpy()),
+        "center_iterations": int(optimizer.center_optimizer.iterations.numpy()),
+        "worker_local_steps": trainer.worker_local_steps(),
+        "local_types": sorted(
+            {type(v.value).__name__ for v in optimizer.local_variables}
+        ),
+        "local_copies_per_worker": [
+            [float(x) for x in v.value.read_all()] for v in optimizer.local_variables
+        ],
+        "center_placement": sorted({v.value.device for v in model.trainable_variables}),
+        "evaluate": trainer.evaluate(
+            np.ones((4, 1), np.float32), np.zeros((4, 1), np.float32)
+        ),
+        "apply_error": apply_error,
+    }
+
+
+def exact_count(strategy, coordinator, period, steps_per_worker):
+    """K workers x N local steps at period P: K*N/P commits, none lost."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), TwoWeights()])
+        optimizer = tf_lars.AGN(keras.optimizers.SGD(0.01), communication_period=period)
+    lines = []
+    trainer = trainer_lib.ParameterServerTrainer(
+        model,
+        negative_mean,
+        optimizer,
+        dataset_fn,
+        strategy,
+        coordinator=coordinator,
+        checkpoint_every=5,
+        log=lines.append,
+    )
+    errors = []
+    for kwargs in ({"steps_per_worker": steps_per_worker + 1}, {"rounds": 0}, {}):
+        try:
+            trainer.fit(**kwargs)
+        except ValueError as error:
+            errors.append(str(error))
+    history = trainer.fit(steps_per_worker=steps_per_worker)
+    return {
+        "history": {k: v for k, v in history.items() if k != "losses"},
+        "commits": int(optimizer.commits.numpy()),
+        "local_steps": int(optimizer.local_steps.numpy()),
+        "center": center(model),
+        "worker_local_steps": trainer.worker_local_steps(),
+        "log": lines,
+        "fit_errors": errors,
+    }
+
+
+def inner_variant(strategy, coordinator, make_inner):
+    """A few rounds with another inner optimizer (LARS, loss-scaled LARS)."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), TwoWeights()])
+        optimizer = tf_lars.AGN(make_inner(), communication_period=2)
+    trainer = trainer_lib.ParameterServerTrainer(
+        model,
+        negative_mean,
+        optimizer,
+        dataset_fn,
+        strategy,
+        coordinator=coordinator,
+        checkpoint_every=4,
+        log=lambda line: None,
+    )
+    trainer.fit(rounds=4)
+    return {
+        "commits": int(optimizer.commits.numpy()),
+        "center": center(model),
+        "local_optimizer": type(optimizer.local_optimizer).__name__,
+        "center_optimizer": type(optimizer.center_optimizer).__name__,
+        "worker_local_steps": trainer.worker_local_steps(),
+    }
+
+
+def main():
+    strategy, coordinator = cluster.in_process_cluster(num_workers=2, num_ps=1)
+    result = {
+        "num_workers": 2,
+        "seed_reference": seed_reference(strategy, coordinator),
+        "exact_count": exact_count(
+            strategy, coordinator, period=3, steps_per_worker=30
+        ),
+        "lars": inner_variant(
+            strategy, coordinator, lambda: tf_lars.LARS(learning_rate=0.1, momentum=0.9)
+        ),
+        "loss_scale_lars": inner_variant(
+            strategy,
+            coordinator,
+            lambda: tf_lars.LossScaleOptimizer(
+                tf_lars.LARS(learning_rate=0.1, momentum=0.9), initial_scale=1024.0
+            ),
+        ),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    status = 0
+    try:
+        main()
+    except BaseException:  # noqa: BLE001 - reported to the test, then exit
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

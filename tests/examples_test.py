@@ -1,0 +1,35 @@
+"""The example scripts run and do what their docstrings say."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_train_lars_example_prints_a_falling_loss():
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_lars.py"),
+            "--epochs",
+            "4",
+            "--samples",
+            "2048",
+            "--batch-size",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    epochs = re.findall(r"epoch\s+\d+\s+loss (\d+\.\d+)", result.stdout)
+    assert len(epochs) == 4, result.stdout
+    losses = [float(x) for x in epochs]
+    assert losses[-1] < losses[0], losses
+    final = re.search(r"test accuracy (\d\.\d+)", result.stdout)
+    assert final and float(final.group(1)) > 0.6, result.stdout

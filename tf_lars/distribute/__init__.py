@@ -1,0 +1,41 @@
+"""AGN on `tf.distribute.ParameterServerStrategy`: cluster plumbing and training loop.
+
+- `parse_tf_config` / `TFConfig` / `TFConfigError`: validate `TF_CONFIG`
+  (no TensorFlow import, so errors come before any work).
+- `serve`, `connect`, `in_process_cluster`: start tasks and the coordinator.
+- `ParameterServerTrainer`, `ParameterServerFailure`: the AGN training loop.
+- `python -m tf_lars.distribute.launch`: a local multi-process cluster.
+
+TensorFlow is imported lazily, on first use of a name that needs it.
+"""
+
+from tf_lars.distribute.tf_config import TFConfig, TFConfigError, parse_tf_config
+
+_LAZY = {
+    "serve": "tf_lars.distribute.cluster",
+    "connect": "tf_lars.distribute.cluster",
+    "in_process_cluster": "tf_lars.distribute.cluster",
+    "pick_free_port": "tf_lars.distribute.cluster",
+    "ParameterServerTrainer": "tf_lars.distribute.trainer",
+    "ParameterServerFailure": "tf_lars.distribute.trainer",
+}
+
+__all__ = [
+    "ParameterServerFailure",
+    "ParameterServerTrainer",
+    "TFConfig",
+    "TFConfigError",
+    "connect",
+    "in_process_cluster",
+    "parse_tf_config",
+    "pick_free_port",
+    "serve",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tf_lars.distribute' has no attribute {name!r}")

@@ -1,0 +1,274 @@
+"""Parse and validate `TF_CONFIG` for parameter-server training.
+
+This module imports neither TensorFlow nor Keras, so a malformed `TF_CONFIG`
+is reported in a fraction of a second, before any process starts a gRPC server
+or connects to a cluster.
+
+A parameter-server cluster has exactly one `chief` (it runs the
+`ClusterCoordinator` and the training loop), one or more `worker`s and one or
+more `ps` (parameter-server) tasks:
+
+```json
+{"cluster": {"chief": ["host0:2222"],
+             "worker": ["host1:2222", "host2:2222"],
+             "ps": ["host3:2222"]},
+ "task": {"type": "worker", "index": 1}}
+```
+"""
+
+import dataclasses
+import ipaddress
+import json
+import os
+
+TASK_TYPES = ("chief", "worker", "ps")
+"""Task types of a parameter-server cluster, in launch order of importance."""
+
+_LOCAL_HOSTS = ("localhost", "ip6-localhost")
+
+
+class TFConfigError(ValueError):
+    """`TF_CONFIG` (or a cluster given on the command line) is unusable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TFConfig:
+    """A validated `TF_CONFIG`.
+
+    Attributes:
+        cluster: dict mapping each task type to its list of `"host:port"`
+            addresses.
+        task_type: str, the type of this process's task.
+        task_index: int, the index of this process's task within its type.
+        rpc_layer: str, the RPC protocol (`"grpc"`).
+    """
+
+    cluster: dict
+    task_type: str
+    task_index: int
+    rpc_layer: str = "grpc"
+
+    @property
+    def address(self):
+        """The `"host:port"` of this task."""
+        return self.cluster[self.task_type][self.task_index]
+
+    @property
+    def task_name(self):
+        """The task's device prefix, e.g. `/job:ps/replica:0/task:0`."""
+        return f"/job:{self.task_type}/replica:0/task:{self.task_index}"
+
+    @property
+    def num_workers(self):
+        return len(self.cluster["worker"])
+
+    @property
+    def num_ps(self):
+        return len(self.cluster["ps"])
+
+    def to_json(self):
+        """The `TF_CONFIG` string for this task."""
+        return json.dumps(
+            {
+                "cluster": self.cluster,
+                "task": {"type": self.task_type, "index": self.task_index},
+                "rpc_layer": self.rpc_layer,
+            }
+        )
+
+    def for_task(self, task_type, task_index):
+        """The same cluster seen from another task."""
+        return parse_tf_config(
+            json.dumps(
+                {
+                    "cluster": self.cluster,
+                    "task": {"type": task_type, "index": task_index},
+                    "rpc_layer": self.rpc_layer,
+                }
+            )
+        )
+
+
+def _short(text, limit=300):
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def split_address(address):
+    """Splits `"host:port"` (IPv6 hosts in brackets) into `(host, port)`.
+
+    Raises:
+        TFConfigError: if the address has no host or no port in 1..65535.
+    """
+    if not isinstance(address, str) or not address:
+        raise TFConfigError(
+            "Each cluster address must be a non-empty 'host:port' string. "
+            f"Received: {address!r}"
+        )
+    if address.startswith("["):
+        host, sep, rest = address[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise TFConfigError(f"Address {address!r} must look like '[ipv6]:port'.")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep:
+            raise TFConfigError(
+                f"Address {address!r} must look like 'host:port' (no port given)."
+            )
+    if not host or any(c.isspace() for c in host):
+        raise TFConfigError(f"Address {address!r} has no valid host.")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise TFConfigError(f"Address {address!r} must end with a port in 1..65535.")
+    return host, int(port_text)
+
+
+def is_local_address(address):
+    """Whether `"host:port"` names this machine's loopback interface."""
+    host, _ = split_address(address)
+    if host in _LOCAL_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate_cluster(cluster):
+    """Checks a parameter-server cluster dict and returns a normalized copy.
+
+    Raises:
+        TFConfigError: on an unknown task type, a missing chief, worker or ps,
+            more than one chief, a malformed or duplicated address.
+    """
+    if not isinstance(cluster, dict) or not cluster:
+        raise TFConfigError(
+            "`cluster` must be a non-empty object mapping task types to lists "
+            f"of 'host:port' addresses. Received: cluster={_short(cluster)!r}"
+        )
+    unknown = sorted(set(cluster) - set(TASK_TYPES))
+    if unknown:
+        raise TFConfigError(
+            f"Unknown task type(s) {unknown} in the cluster: parameter-server "
+            f"training uses only {list(TASK_TYPES)}."
+        )
+    normalized = {}
+    seen = {}
+    for task_type in TASK_TYPES:
+        addresses = cluster.get(task_type)
+        if addresses is None:
+            raise TFConfigError(
+                f"The cluster has no '{task_type}' task; parameter-server training "
+                "needs one 'chief', at least one 'worker' and at least one 'ps'."
+            )
+        if isinstance(addresses, dict):
+            # TF also accepts {"0": "host:port", ...}; keep the index order.
+            try:
+                keys = sorted(addresses, key=int)
+            except (TypeError, ValueError):
+                raise TFConfigError(
+                    f"Cluster entry '{task_type}' given as an object must use "
+                    f"integer indices. Received: {_short(addresses)!r}"
+                ) from None
+            if [int(k) for k in keys] != list(range(len(keys))):
+                raise TFConfigError(
+                    f"Cluster entry '{task_type}' must number its tasks 0..n-1. "
+                    f"Received indices: {keys}"
+                )
+            addresses = [addresses[k] for k in keys]
+        if not isinstance(addresses, list) or not addresses:
+            raise TFConfigError(
+                f"Cluster entry '{task_type}' must be a non-empty list of "
+                f"'host:port' strings. Received: {_short(addresses)!r}"
+            )
+        for index, address in enumerate(addresses):
+            host, port = split_address(address)
+            key = (host, port)
+            if key in seen:
+                raise TFConfigError(
+                    f"Address {address!r} is used by both {seen[key]} and "
+                    f"{task_type}:{index}."
+                )
+            seen[key] = f"{task_type}:{index}"
+        normalized[task_type] = list(addresses)
+    if len(normalized["chief"]) != 1:
+        raise TFConfigError(
+            "The cluster must have exactly one 'chief' (it runs the coordinator). "
+            f"Received {len(normalized['chief'])}."
+        )
+    return normalized
+
+
+def parse_tf_config(text=None, environ=None):
+    """Parses and validates a `TF_CONFIG` JSON string.
+
+    Args:
+        text: str or None, the JSON; `None` reads `environ["TF_CONFIG"]`.
+            Defaults to None.
+        environ: mapping or None, the environment to read; `None` is
+            `os.environ`. Defaults to None.
+
+    Returns:
+        A `TFConfig`.
+
+    Raises:
+        TFConfigError: when `TF_CONFIG` is missing, is not JSON, has no
+            `cluster` or `task`, names a task type that does not exist, or an
+            index out of range.
+    """
+    if text is None:
+        environ = os.environ if environ is None else environ
+        text = environ.get("TF_CONFIG")
+        if not text:
+            raise TFConfigError(
+                "TF_CONFIG is not set. Set it to the cluster description "
+                '(e.g. {"cluster": {"chief": [...], "worker": [...], "ps": [...]}, '
+                '"task": {"type": "worker", "index": 0}}) or start the tasks '
+                "with `python -m tf_lars.distribute.launch`."
+            )
+    try:
+        config = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as error:
+        raise TFConfigError(
+            f"TF_CONFIG is not valid JSON ({error}). Received: "
+            f"TF_CONFIG={_short(text)!r}"
+        ) from None
+    if not isinstance(config, dict):
+        raise TFConfigError(
+            f"TF_CONFIG must be a JSON object. Received: TF_CONFIG={_short(text)!r}"
+        )
+    if "cluster" not in config:
+        raise TFConfigError(
+            f"TF_CONFIG has no 'cluster'. Received: TF_CONFIG={_short(text)!r}"
+        )
+    cluster = validate_cluster(config["cluster"])
+    task = config.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise TFConfigError(
+            "TF_CONFIG must have a 'task' object with a 'type' and an 'index'. "
+            f"Received: task={_short(task)!r}"
+        )
+    task_type = task["type"]
+    if task_type not in cluster:
+        raise TFConfigError(
+            f"TF_CONFIG names task type {task_type!r}, which does not exist in "
+            f"the cluster (task types: {sorted(cluster)})."
+        )
+    task_index = task.get("index", 0)
+    if isinstance(task_index, str) and task_index.isdigit():
+        task_index = int(task_index)
+    if (
+        isinstance(task_index, bool)
+        or not isinstance(task_index, int)
+        or not 0 <= task_index < len(cluster[task_type])
+    ):
+        raise TFConfigError(
+            f"`task.index` must be an int in [0, {len(cluster[task_type])}) for "
+            f"task type {task_type!r}. Received: index={task_index!r}"
+        )
+    rpc_layer = config.get("rpc_layer", "grpc") or "grpc"
+    if rpc_layer != "grpc":
+        raise TFConfigError(
+            f"`rpc_layer` must be 'grpc'. Received: rpc_layer={rpc_layer!r}"
+        )
+    return TFConfig(cluster, task_type, task_index, rpc_layer)

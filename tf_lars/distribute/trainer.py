@@ -1,0 +1,551 @@
+"""Train a Keras model with AGN on `ParameterServerStrategy`.
+
+Keras 3 `model.fit` does not support `ParameterServerStrategy`, so this is
+the training loop: it runs on the chief, schedules AGN rounds on the workers
+through `tf.distribute.coordinator.ClusterCoordinator`, reports progress,
+checkpoints, evaluates, and turns a lost parameter server into a clear error.
+"""
+
+import contextlib
+import logging
+import re
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_lars.agn import AGN
+
+
+class ParameterServerFailure(RuntimeError):
+    """A parameter-server task became unavailable; training cannot go on.
+
+    Attributes:
+        task: str, the task, e.g. `"/job:ps/replica:0/task:0"`.
+        address: str or None, its `"host:port"`.
+        checkpoint: str or None, the last checkpoint a rerun resumes from.
+        checkpoint_commits: int or None, the commit count in that checkpoint.
+    """
+
+    def __init__(self, task, address, checkpoint, checkpoint_commits, cause):
+        self.task = task
+        self.address = address
+        self.checkpoint = checkpoint
+        self.checkpoint_commits = checkpoint_commits
+        where = f"{task} ({address})" if address else task
+        if checkpoint:
+            resume = (
+                f"Restart the parameter servers and rerun: training resumes from "
+                f"{checkpoint} (commit {checkpoint_commits})."
+            )
+        else:
+            resume = (
+                "No checkpoint was written yet (pass `checkpoint_dir`); a rerun "
+                "starts from scratch."
+            )
+        summary = str(cause).strip().splitlines()
+        summary = summary[-1] if summary else type(cause).__name__
+        super().__init__(
+            f"parameter server {where} is unavailable; training stopped. {resume} "
+            f"[{type(cause).__name__}: {summary[:300]}]"
+        )
+
+
+_PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+
+
+def _error_chain(error):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = (
+            getattr(error, "original_exception", None)
+            or error.__cause__
+            or error.__context__
+        )
+
+
+def _is_connection_error(error):
+    # The kinds of error TensorFlow's coordinator itself treats as a lost
+    # task (see cluster_coordinator._is_ps_failure).
+    if isinstance(error, tf.errors.UnavailableError | tf.errors.AbortedError):
+        return True
+    if isinstance(error, tf.errors.InvalidArgumentError):
+        text = str(error)
+        return "unknown device" in text.lower() or (
+            "Unable to find the relevant tensor remote_handle" in text
+        )
+    return False
+
+
+def _failed_ps_task(error, cluster):
+    """`(task, address)` of the parameter server a connection error names.
+
+    None when the error is not a lost connection (a bug in the model, an XLA
+    compilation error, ...) or names no parameter server.
+    """
+    chain = list(_error_chain(error))
+    if not any(_is_connection_error(e) for e in chain):
+        return None
+    text = "\n".join(str(e) for e in chain)
+    addresses = cluster.get("ps", [])
+    match = _PS_TASK.search(text)
+    if match:
+        index = int(match.group(1))
+        address = addresses[index] if index < len(addresses) else None
+        return f"/job:ps/replica:0/task:{index}", address
+    for index, address in enumerate(addresses):
+        port = address.rsplit(":", 1)[-1]
+        if re.search(rf"[:\]]{port}\b", text):
+            return f"/job:ps/replica:0/task:{index}", address
+    return None
+
+
+class _WorkerEvents(logging.Filter):
+    """Relays the coordinator's worker failure and recovery log records.
+
+    Installed as a filter on TensorFlow's logger: it sees every record first,
+    reports the ones about workers, and drops the INFO records that the
+    logger's previous level would have dropped anyway.
+    """
+
+    _FAILED = re.compile(r"Worker (/job:worker/replica:0/task:\d+) failed with (\w+)")
+    _RECOVERED = re.compile(
+        r"Worker (/job:worker/replica:0/task:\d+) has been recovered"
+    )
+
+    def __init__(self, log, previous_level):
+        super().__init__()
+        self._log = log
+        self._previous_level = previous_level
+        self._reported = set()
+
+    def filter(self, record):
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a logging filter must not raise
+            return True
+        for pattern, what in ((self._FAILED, "failed"), (self._RECOVERED, "recovered")):
+            match = pattern.search(message)
+            if not match:
+                continue
+            # The coordinator logs each event from more than one place.
+            key = (match.group(1), what, int(record.created))
+            if key not in self._reported:
+                self._reported.add(key)
+                if what == "failed":
+                    self._log(
+                        f"[agn] worker {match.group(1)} failed ({match.group(2)}); "
+                        "its round is rescheduled, the other workers go on"
+                    )
+                else:
+                    self._log(f"[agn] worker {match.group(1)} recovered and rejoined")
+        return record.levelno >= self._previous_level
+
+
+@contextlib.contextmanager
+def _relay_worker_events(log):
+    logger = tf.get_logger()
+    own_level = logger.level
+    previous_level = logger.getEffectiveLevel()
+    events = _WorkerEvents(log, previous_level)
+    logger.addFilter(events)
+    # "has been recovered" is an INFO record; it must be created to be seen.
+    logger.setLevel(min(previous_level, logging.INFO))
+    try:
+        yield
+    finally:
+        logger.removeFilter(events)
+        logger.setLevel(own_level)
+
+
+class ParameterServerTrainer:
+    """Trains a Keras model with `tf_lars.AGN` on `ParameterServerStrategy`.
+
+    Each scheduled closure is one AGN round on whichever worker is free:
+
+    ```
+    pull:     local <- center;  a <- 0                  (reads the parameter servers)
+    repeat communication_period times, in one XLA-compiled tf.function:
+              g = grad of loss(model(local; x_i), y_i)
+              local <- inner_local.update(local, g);  a <- a + g
+    commit:   center <- inner_center.update(center, a / period)  (one push)
+    ```
+
+    `ClusterCoordinator` re-runs a round on another worker if its worker
+    fails, so at most one round per failure is committed twice; a worker that
+    never returns leaves its share to the others. The center variables and
+    the optimizer state are checkpointed with `tf.train.Checkpoint` every
+    `checkpoint_every` commits; a new trainer pointed at the same directory
+    restores the latest checkpoint and continues to the same target.
+
+    Args:
+        model: `keras.Model` created under `strategy.scope()` (its variables
+            are the center). Non-trainable variables (e.g. BatchNorm moving
+            statistics) are read from the parameter servers and not updated.
+        loss: str, `keras.losses.Loss` or callable `loss(y_true, y_pred)`.
+        optimizer: `tf_lars.AGN` created under `strategy.scope()`.
+        dataset_fn: callable `dataset_fn(input_context) -> tf.data.Dataset`
+            of `(x, y)` batches of a fixed size (`drop_remainder=True`). It
+            runs on each worker; shuffle without a fixed seed so that workers
+            see different orders. The trainer repeats it and groups
+            `communication_period` batches per round.
+        strategy: `tf.distribute.ParameterServerStrategy`.
+        coordinator: `ClusterCoordinator` or None (created if None).
+            Defaults to None.
+        checkpoint_dir: str or None. Where checkpoints go; None disables
+            checkpointing. Defaults to None.
+        checkpoint_every: int >= 1. Commits between checkpoints (also the
+            progress-report interval). Defaults to `100`.
+        max_to_keep: int >= 1. Checkpoints kept. Defaults to `3`.
+        jit_compile: bool. Compile the local steps of a round with XLA.
+            Defaults to `True`; set False for models XLA cannot compile.
+        log: callable taking a str, for progress lines. Defaults to `print`
+            (flushed).
+
+    Example:
+
+    ```python
+    strategy, coordinator = tf_lars.distribute.connect(config)
+    with strategy.scope():
+        model = make_model()
+        optimizer = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=10)
+    trainer = tf_lars.distribute.ParameterServerTrainer(
+        model, "sparse_categorical_crossentropy", optimizer, dataset_fn,
+        strategy, coordinator=coordinator, checkpoint_dir="/tmp/ckpt")
+    trainer.fit(steps_per_worker=1000)
+    print(trainer.evaluate(x_test, y_test))
+    ```
+    """
+
+    def __init__(
+        self,
+        model,
+        loss,
+        optimizer,
+        dataset_fn,
+        strategy,
+        coordinator=None,
+        checkpoint_dir=None,
+        checkpoint_every=100,
+        max_to_keep=3,
+        jit_compile=True,
+        log=None,
+    ):
+        if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+            raise ValueError(
+                "`strategy` must be a `tf.distribute.ParameterServerStrategy`. "
+                f"Received: strategy={strategy!r}"
+            )
+        if not isinstance(optimizer, AGN) or not optimizer.is_parameter_server:
+            raise ValueError(
+                "`optimizer` must be a `tf_lars.AGN` created under "
+                f"`strategy.scope()`. Received: optimizer={optimizer!r}"
+            )
+        if not callable(dataset_fn):
+            raise ValueError(
+                f"`dataset_fn` must be callable. Received: dataset_fn={dataset_fn!r}"
+            )
+        for name, value in (
+            ("checkpoint_every", checkpoint_every),
+            ("max_to_keep", max_to_keep),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"`{name}` must be an int >= 1. Received: {name}={value!r}"
+                )
+        self.model = model
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.coordinator = coordinator or tf.distribute.coordinator.ClusterCoordinator(
+            strategy
+        )
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.jit_compile = bool(jit_compile)
+        self._log = log or (lambda line: print(line, flush=True))
+        self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
+        self._dataset_fn = dataset_fn
+        resolver = strategy.cluster_resolver or strategy._cluster_resolver
+        self._cluster = resolver.cluster_spec().as_dict()
+        self.num_workers = len(self._cluster.get("worker", []))
+
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        self.manager = None
+        self.restored_commits = 0
+        if checkpoint_dir:
+            self.manager = tf.train.CheckpointManager(
+                self.checkpoint, checkpoint_dir, max_to_keep=max_to_keep
+            )
+            if self.manager.latest_checkpoint:
+                with self._ps_failures():
+                    self.checkpoint.restore(
+                        self.manager.latest_checkpoint
+                    ).assert_existing_objects_matched()
+                    self.restored_commits = int(optimizer.commits.numpy())
+                self._log(
+                    f"[agn] restored {self.manager.latest_checkpoint} "
+                    f"(commit {self.restored_commits})"
+                )
+        self._round = self._trace_round()
+
+    # ------------------------------------------------------------- the round
+    def _round_dataset(self, input_context):
+        period = self.optimizer.communication_period
+        dataset = self._dataset_fn(input_context)
+        return dataset.repeat().batch(period, drop_remainder=True).prefetch(2)
+
+    def _trace_round(self):
+        agn = self.optimizer
+        model = self.model
+        loss_fn = self._loss
+        period = agn.communication_period
+        local_variables = agn.local_variables
+        non_trainable = list(model.non_trainable_variables)
+        input_context = tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
+        )
+
+        element_spec = self._round_dataset(input_context).element_spec
+        for spec in tf.nest.flatten(element_spec):
+            if spec.shape.rank is None or spec.shape.rank < 2 or spec.shape[1] is None:
+                raise ValueError(
+                    "`dataset_fn` must yield batches of a fixed size (use "
+                    "`dataset.batch(batch_size, drop_remainder=True)`). "
+                    f"Received element_spec={element_spec}"
+                )
+
+        def local_round(xs, ys, non_trainable_values):
+            total = tf.constant(0.0, tf.float32)
+            for i in tf.range(period):
+                x = tf.nest.map_structure(lambda t, i=i: t[i], xs)
+                y = tf.nest.map_structure(lambda t, i=i: t[i], ys)
+                values = [tf.convert_to_tensor(v) for v in local_variables]
+                with tf.GradientTape() as tape:
+                    tape.watch(values)
+                    y_pred, _, losses = model.stateless_call(
+                        values,
+                        non_trainable_values,
+                        x,
+                        training=True,
+                        return_losses=True,
+                    )
+                    loss = tf.reduce_mean(loss_fn(y, y_pred))
+                    if losses:
+                        loss = loss + tf.add_n([tf.cast(x, loss.dtype) for x in losses])
+                    scaled = agn.scale_loss(loss)
+                grads = tape.gradient(scaled, values)
+                agn.local_update(list(grads))
+                total += tf.cast(loss, tf.float32)
+            return total / period
+
+        local_round_fn = tf.function(local_round, jit_compile=self.jit_compile)
+
+        def round_fn(iterator):
+            xs, ys = next(iterator)
+            agn.pull()
+            non_trainable_values = [tf.convert_to_tensor(v) for v in non_trainable]
+            loss = local_round_fn(xs, ys, non_trainable_values)
+            with tf.control_dependencies([loss]):
+                commits = agn.commit()
+            return loss, commits
+
+        per_worker_dataset = self.coordinator.create_per_worker_dataset(
+            lambda: self._round_dataset(input_context)
+        )
+        self._iterator = iter(per_worker_dataset)
+        # Traced here, outside `strategy.scope()`: the worker-local optimizer
+        # then updates its variables in place, without cross-replica merges.
+        return tf.function(round_fn).get_concrete_function(
+            tf.data.IteratorSpec(element_spec)
+        )
+
+    # ---------------------------------------------------------------- errors
+    @contextlib.contextmanager
+    def _ps_failures(self):
+        try:
+            yield
+        except ParameterServerFailure:
+            raise
+        except Exception as error:  # noqa: BLE001 - classified, then re-raised
+            failed = _failed_ps_task(error, self._cluster)
+            if failed is None:
+                raise
+            checkpoint, commits = self._last_checkpoint()
+            raise ParameterServerFailure(
+                failed[0], failed[1], checkpoint, commits, error
+            ) from error
+
+    def _last_checkpoint(self):
+        if self.manager is None or not self.manager.latest_checkpoint:
+            return None, None
+        path = self.manager.latest_checkpoint
+        try:
+            commits = int(
+                tf.train.load_variable(
+                    path, "optimizer/_commits/.ATTRIBUTES/VARIABLE_VALUE"
+                )
+            )
+        except Exception:  # noqa: BLE001 - the number is informative only
+            commits = None
+        return path, commits
+
+    # ------------------------------------------------------------------- fit
+    def fit(self, steps_per_worker=None, rounds=None):
+        """Trains until `rounds` commits have reached the center.
+
+        Args:
+            steps_per_worker: int or None. Local steps each worker takes in
+                the whole run (a multiple of `communication_period`); the
+                target is `num_workers * steps_per_worker / period` commits.
+            rounds: int or None. The target number of commits, instead.
+
+        Returns:
+            dict with `commits`, `local_steps`, `target_commits`,
+            `restored_commits`, `losses` (mean loss of each report interval),
+            `seconds` and `commits_per_second` (of this run).
+
+        Raises:
+            ParameterServerFailure: a parameter server became unavailable.
+        """
+        period = self.optimizer.communication_period
+        if (steps_per_worker is None) == (rounds is None):
+            raise ValueError("Pass exactly one of `steps_per_worker` and `rounds`.")
+        if steps_per_worker is not None:
+            if (
+                isinstance(steps_per_worker, bool)
+                or not isinstance(steps_per_worker, int)
+                or steps_per_worker < period
+                or steps_per_worker % period
+            ):
+                raise ValueError(
+                    "`steps_per_worker` must be a positive multiple of "
+                    f"`communication_period` ({period}). "
+                    f"Received: steps_per_worker={steps_per_worker!r}"
+                )
+            target = self.num_workers * steps_per_worker // period
+        else:
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+                raise ValueError(
+                    f"`rounds` must be an int >= 1. Received: rounds={rounds!r}"
+                )
+            target = rounds
+
+        agn = self.optimizer
+        history = {"losses": [], "target_commits": target}
+        with self._ps_failures():
+            commits = int(agn.commits.numpy())
+        history["restored_commits"] = commits
+        start_commits = commits
+        start = time.perf_counter()
+        last_saved = commits
+        self._log(
+            f"[agn] training to {target} commits ({target * period} local steps, "
+            f"period {period}, {self.num_workers} workers); "
+            f"starting at commit {commits}"
+        )
+        with _relay_worker_events(self._log), self._ps_failures():
+            while commits < target:
+                count = min(self.checkpoint_every, target - commits)
+                results = [
+                    self.coordinator.schedule(self._round, args=(self._iterator,))
+                    for _ in range(count)
+                ]
+                self.coordinator.join()
+                losses = [float(r.fetch()[0]) for r in results]
+                commits = int(agn.commits.numpy())
+                steps = int(agn.local_steps.numpy())
+                elapsed = time.perf_counter() - start
+                mean_loss = float(np.mean(losses))
+                history["losses"].append(mean_loss)
+                rate = (commits - start_commits) / max(elapsed, 1e-9)
+                self._log(
+                    f"[agn] commits {commits}/{target} | local steps {steps} | "
+                    f"loss {mean_loss:.4f} | {rate:.1f} commits/s | {elapsed:.1f}s"
+                )
+                if self.manager is not None and (
+                    commits // self.checkpoint_every
+                    > last_saved // self.checkpoint_every
+                    or commits >= target
+                ):
+                    path = self.manager.save(checkpoint_number=commits)
+                    last_saved = commits
+                    self._log(f"[agn] checkpoint saved: {path} (commit {commits})")
+            steps = int(agn.local_steps.numpy())
+        seconds = time.perf_counter() - start
+        per_worker = self.worker_local_steps()
+        self._log(
+            f"[agn] done: {commits} commits, {steps} local steps; local steps per "
+            f"worker since its (re)start: {per_worker}"
+        )
+        history.update(
+            worker_local_steps=per_worker,
+            commits=commits,
+            local_steps=steps,
+            seconds=seconds,
+            commits_per_second=(commits - start_commits) / max(seconds, 1e-9),
+        )
+        return history
+
+    def worker_local_steps(self):
+        """Local steps each worker has taken since its variables were created.
+
+        A restarted worker starts again from 0 (worker-local state is not
+        checkpointed); a worker that is down reads as None.
+
+        Returns:
+            list of int or None, one per worker.
+        """
+        steps = []
+        iterations = self.optimizer.local_optimizer.iterations
+        for remote in iterations.value._per_worker_vars._values:
+            try:
+                steps.append(int(remote.get().numpy()))
+            except Exception:  # noqa: BLE001 - a failed worker reads as None
+                steps.append(None)
+        return steps
+
+    # -------------------------------------------------------------- evaluate
+    def evaluate(self, x, y, batch_size=256):
+        """Evaluates the center variables on the chief.
+
+        Returns:
+            dict with `loss` and, for integer labels and a class axis,
+            `accuracy`.
+        """
+        loss_fn = self._loss
+        model = self.model
+
+        @tf.function
+        def batch_metrics(xb, yb):
+            y_pred = model(xb, training=False)
+            batch = tf.cast(tf.shape(y_pred)[0], tf.float64)
+            loss = tf.cast(tf.reduce_mean(loss_fn(yb, y_pred)), tf.float64) * batch
+            if y_pred.shape.rank == 2 and y_pred.shape[-1] and y_pred.shape[-1] > 1:
+                labels = tf.cast(tf.reshape(yb, [-1]), tf.int64)
+                correct = tf.reduce_sum(
+                    tf.cast(tf.equal(tf.argmax(y_pred, axis=-1), labels), tf.float64)
+                )
+            else:
+                correct = tf.constant(np.nan, tf.float64)
+            return loss, correct
+
+        total_loss = 0.0
+        total_correct = 0.0
+        count = 0
+        with self._ps_failures():
+            for begin in range(0, len(x), batch_size):
+                xb = x[begin : begin + batch_size]
+                yb = y[begin : begin + batch_size]
+                loss, correct = batch_metrics(xb, yb)
+                total_loss += float(loss)
+                total_correct += float(correct)
+                count += len(xb)
+        metrics = {"loss": total_loss / count}
+        if not np.isnan(total_correct):
+            metrics["accuracy"] = total_correct / count
+        return metrics
