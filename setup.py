@@ -36,7 +36,8 @@ setup(
         "scikit-learn",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "ruff"],
+        "test": ["pytest", "ruff"],
+        "bench": ["jax", "optax"],
     },
     entry_points={"console_scripts": ["tf-lars=tf_lars.cli:main"]},
     classifiers=[

@@ -38,25 +38,26 @@ def squared_norm(tensor):
     return tf.reduce_sum(partial)
 
 
-def weight_and_gradient_norms(weights, gradients, decays, dtypes):
-    """Returns `(weight_norms, gradient_norms)`, one scalar per variable.
+def squared_norms(weights, gradients, decays, dtype):
+    """Squared L2 norms of weights and gradients, as two vectors of `dtype`.
 
     Args:
         weights: list of variables or tensors.
         gradients: list of dense gradients, same length.
         decays: list of floats or `None`. When given, the gradient norm is
             that of `g + decay * w` (the decayed gradient).
-        dtypes: list of compute dtypes (float32 or float64), one a variable.
+        dtype: the compute dtype (float32 or float64) everything is cast to.
+
+    Returns:
+        `(weight_squares, gradient_squares)`, each of shape `[len(weights)]`.
     """
-    weight_norms = []
-    gradient_norms = []
-    for index, (weight, gradient, dtype) in enumerate(
-        zip(weights, gradients, dtypes, strict=True)
-    ):
+    weight_squares = []
+    gradient_squares = []
+    for index, (weight, gradient) in enumerate(zip(weights, gradients, strict=True)):
         weight = tf.cast(weight, dtype)
         gradient = tf.cast(gradient, dtype)
         if decays is not None and decays[index] != 0.0:
             gradient = gradient + tf.constant(decays[index], dtype) * weight
-        weight_norms.append(tf.sqrt(squared_norm(weight)))
-        gradient_norms.append(tf.sqrt(squared_norm(gradient)))
-    return weight_norms, gradient_norms
+        weight_squares.append(squared_norm(weight))
+        gradient_squares.append(squared_norm(gradient))
+    return tf.stack(weight_squares), tf.stack(gradient_squares)

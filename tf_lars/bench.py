@@ -9,6 +9,7 @@ ratios printed are the figures to compare.
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -37,6 +38,9 @@ def resnet50_shapes():
     del model
     keras.backend.clear_session()
     return shapes
+
+
+TINY_SHAPES = [(3, 3, 8, 16), (16,), (64, 10), (10,)]
 
 
 def _dense_problem(shapes, seed=0):
@@ -93,7 +97,10 @@ def bench_dense(shapes, repeats, warmup, include_optax):
     results = {}
     contenders = {
         "SGD(momentum=0.9)": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-        "LARS": lambda: tf_lars.LARS(0.1, momentum=0.9, weight_decay=1e-4),
+        "LARS(weight_decay=1e-4)": lambda: tf_lars.LARS(
+            0.1, momentum=0.9, weight_decay=1e-4
+        ),
+        "LARS(weight_decay=0)": lambda: tf_lars.LARS(0.1, momentum=0.9),
     }
     steps = {}
     for name, make in contenders.items():
@@ -221,6 +228,12 @@ def main(argv=None):
         action="append",
         help="run only these parts (repeatable); default: all",
     )
+    parser.add_argument(
+        "--model",
+        choices=["resnet50", "tiny"],
+        default="resnet50",
+        help="variable shapes for the dense parts (tiny: a smoke test)",
+    )
     parser.add_argument("--rows", type=int, default=1_000_000, help="embedding rows")
     parser.add_argument("--width", type=int, default=64, help="embedding width")
     parser.add_argument("--touched", type=int, default=4096, help="rows per step")
@@ -241,16 +254,17 @@ def main(argv=None):
     )
     shapes = None
     if "dense" in parts or "eager" in parts:
-        shapes = resnet50_shapes()
-        parameters = sum(int(__import__("math").prod(s)) for s in shapes)
+        shapes = resnet50_shapes() if args.model == "resnet50" else TINY_SHAPES
+        parameters = sum(math.prod(s) for s in shapes)
         print(
-            f"ResNet-50 trainable variables: {len(shapes)} ({parameters:,} parameters)"
+            f"{args.model} trainable variables: {len(shapes)} "
+            f"({parameters:,} parameters)"
         )
     if "dense" in parts:
         print("dense: timing SGD-momentum and LARS (XLA) ...", flush=True)
         rows = bench_dense(shapes, args.repeats, args.warmup, not args.no_optax)
         _print_table(
-            "Dense step, ResNet-50 shapes, tf.function(jit_compile=True) of apply",
+            f"Dense step, {args.model} shapes, tf.function(jit_compile=True) of apply",
             rows,
             "SGD(momentum=0.9)",
         )
@@ -258,7 +272,7 @@ def main(argv=None):
         print("\neager: timing eager apply, op by op and compiled ...", flush=True)
         rows = bench_eager_vs_compiled(shapes, max(3, args.repeats // 4), 2)
         _print_table(
-            "Eager optimizer.apply, ResNet-50 shapes",
+            f"Eager optimizer.apply, {args.model} shapes",
             rows,
             "LARS eager apply (compiled)",
         )

@@ -95,26 +95,6 @@ def _matches(patterns, variable):
     return False
 
 
-def _sum_duplicate_rows(indices, values):
-    """Sums the values of repeated indices, keeping the static shapes.
-
-    Returns `(indices, totals)` of the same length as the input, where every
-    occurrence of a row carries that row's total. Static shapes keep this fast
-    under XLA, where `tf.unique` (a dynamic shape) costs twice as much.
-    """
-    count = tf.shape(indices)[0]
-    order = tf.argsort(indices, stable=True)
-    sorted_indices = tf.gather(indices, order)
-    starts = tf.concat(
-        [[True], tf.not_equal(sorted_indices[1:], sorted_indices[:-1])], axis=0
-    )
-    sorted_segment = tf.cumsum(tf.cast(starts, tf.int32)) - 1
-    # Back to the input order: segment of each original position.
-    segment = tf.scatter_nd(order[:, None], sorted_segment, [count])
-    sums = tf.math.unsorted_segment_sum(values, segment, count)
-    return indices, tf.gather(sums, segment)
-
-
 class _FunctionCache(dict):
     """Compiled `apply` functions by variable list; never tracked or saved."""
 
@@ -360,31 +340,37 @@ class LARS(keras.optimizers.Optimizer):
         if not adapted:
             return ratios
 
-        eta = self.trust_coefficient
-        epsilon = self.epsilon
-        weights = [variables[p] for p in adapted]
-        gradients = [grads[p] for p in adapted]
-        decays = [self._variable_weight_decay[indices[p]] for p in adapted]
+        # Ratios are computed as vectors, one per compute dtype, so that the
+        # scalar arithmetic of hundreds of variables is a handful of ops.
+        by_dtype = {}
+        for p in adapted:
+            by_dtype.setdefault(self._compute_dtype(variables[p]), []).append(p)
         decayed_norm = self.trust_ratio == "decayed" and self.decay_in_gradient
-        weight_norms, grad_norms = _norms.weight_and_gradient_norms(
-            weights,
-            gradients,
-            decays if decayed_norm else None,
-            [self._compute_dtype(v) for v in weights],
-        )
-        for p, decay, w_norm, g_norm in zip(
-            adapted, decays, weight_norms, grad_norms, strict=True
-        ):
-            if self.trust_ratio == "paper":
-                denominator = g_norm + decay * w_norm + epsilon
-            else:
-                denominator = g_norm + epsilon
-            usable = tf.logical_and(w_norm > 0, g_norm > 0)
-            safe_denominator = tf.where(usable, denominator, tf.ones_like(denominator))
-            ratios[p] = tf.where(
-                usable, eta * w_norm / safe_denominator, tf.ones_like(w_norm)
+        for dtype, positions in by_dtype.items():
+            decays = [self._variable_weight_decay[indices[p]] for p in positions]
+            weight_squares, grad_squares = _norms.squared_norms(
+                [variables[p] for p in positions],
+                [grads[p] for p in positions],
+                decays if decayed_norm else None,
+                dtype,
             )
+            vector = self._ratio_vector(weight_squares, grad_squares, decays, dtype)
+            for k, p in enumerate(positions):
+                ratios[p] = vector[k]
         return ratios
+
+    def _ratio_vector(self, weight_squares, grad_squares, decays, dtype):
+        w_norm = tf.sqrt(weight_squares)
+        g_norm = tf.sqrt(grad_squares)
+        epsilon = tf.constant(self.epsilon, dtype)
+        if self.trust_ratio == "paper":
+            denominator = g_norm + tf.constant(decays, dtype) * w_norm + epsilon
+        else:
+            denominator = g_norm + epsilon
+        usable = tf.logical_and(w_norm > 0, g_norm > 0)
+        ones = tf.ones_like(w_norm)
+        ratio = tf.constant(self.trust_coefficient, dtype) * w_norm
+        return tf.where(usable, ratio / tf.where(usable, denominator, ones), ones)
 
     def _local_rate(self, ratio, learning_rate, index):
         learning_rate = tf.cast(learning_rate, ratio.dtype)
@@ -429,29 +415,37 @@ class LARS(keras.optimizers.Optimizer):
         self.assign_sub(variable, step)
 
     def _sparse_update(self, gradient, variable, learning_rate, momentum_slot):
+        """Row-wise momentum on the touched rows; duplicate indices summed.
+
+        Duplicates are handled without sorting or `tf.unique` (slow under XLA):
+        scatter-adds sum repeated rows by themselves, and every other write is
+        a scatter-update of values that are identical for repeated rows, so
+        its result does not depend on which duplicate lands last. Gathers and
+        scatters go through the backing `tf.Variable`: reading a
+        `keras.Variable` as a tensor would read every row.
+        """
         dtype = variable.dtype
-        rows, totals = _sum_duplicate_rows(
-            gradient.indices, tf.cast(gradient.values, dtype)
-        )
+        rows = gradient.indices
+        values = tf.cast(gradient.values, dtype)
         rate = tf.cast(learning_rate, dtype)
-        # Gathers and scatters go through the backing `tf.Variable`: reading a
-        # `keras.Variable` as a tensor would read every row. Duplicate rows
-        # carry identical totals, so their scatters write identical values.
         target = variable.value if isinstance(variable, keras.Variable) else variable
         if momentum_slot is None:
-            step = rate * totals
+            target.scatter_sub(tf.IndexedSlices(rate * values, rows))
+            return
+        mu = tf.constant(self.momentum, dtype)
+        slot = momentum_slot.value
+        # v[i] <- mu * v[i] (idempotent), then v[i] += (rate *) g for each
+        # occurrence: v[i] = mu * v[i] + (rate *) sum of g[i].
+        slot.scatter_update(tf.IndexedSlices(mu * tf.gather(slot, rows), rows))
+        added = rate * values if self.classic_momentum else values
+        slot.scatter_add(tf.IndexedSlices(added, rows))
+        velocity = tf.gather(slot, rows)
+        if self.nesterov:
+            # The gradient part of the Nesterov step, summed over duplicates.
+            target.scatter_sub(tf.IndexedSlices(rate * values, rows))
+            step = mu * velocity if self.classic_momentum else rate * mu * velocity
         else:
-            mu = tf.constant(self.momentum, dtype)
-            slot = momentum_slot.value
-            old_velocity = tf.gather(slot, rows)
-            if self.classic_momentum:
-                scaled = rate * totals
-                velocity = mu * old_velocity + scaled
-                step = mu * velocity + scaled if self.nesterov else velocity
-            else:
-                velocity = mu * old_velocity + totals
-                step = rate * (totals + mu * velocity if self.nesterov else velocity)
-            slot.scatter_update(tf.IndexedSlices(velocity, rows))
+            step = velocity if self.classic_momentum else rate * velocity
         target.scatter_update(tf.IndexedSlices(tf.gather(target, rows) - step, rows))
 
     # ------------------------------------------------------------- apply path
