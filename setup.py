@@ -36,7 +36,7 @@ setup(
         "scikit-learn",
     ],
     extras_require={
-        "test": ["pytest", "ruff"],
+        "test": ["pytest>=8", "ruff==0.17.5"],
         "bench": ["jax", "optax"],
     },
     entry_points={"console_scripts": ["tf-lars=tf_lars.cli:main"]},

@@ -697,3 +697,17 @@ def test_clipnorm_clips_before_the_trust_ratio():
     clipped = grad * 0.01 / np.linalg.norm(grad)
     want, _, _ = ref.dense_step(weight, clipped, np.zeros_like(weight), 0.5, **config)
     np.testing.assert_allclose(variable.numpy(), want, rtol=1e-6)
+
+
+def test_update_step_accepts_keras_variables_directly():
+    weights, grads = _problem("float64", seed=8)
+    config = dict(BASE, **CONFIGS["contrib_nesterov"])
+    optimizer = tf_lars.LARS(learning_rate=0.5, **config)
+    variables = [keras.Variable(w, dtype="float64") for w in weights]
+    optimizer.build(variables)
+    for step_grads in grads:
+        for g, v in zip(step_grads, variables, strict=True):
+            optimizer.update_step(tf.constant(g), v, 0.5)
+    expected, _, _ = _run_numpy(weights, grads, 0.5, config)
+    for variable, want in zip(variables, expected, strict=True):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-10)

@@ -17,6 +17,9 @@ import tensorflow as tf
 _WIDTHS = (128, 96, 64, 48, 32, 16, 8)
 # Below this many elements a plain reduction is as fast and skips the dot.
 _SMALL = 4096
+# Read when a step is traced. `tf_lars.bench` turns it off to measure the
+# plain per-tensor reduction this module replaces.
+FOLD_INTO_MATVEC = True
 
 
 def _fold_width(size):
@@ -30,7 +33,9 @@ def squared_norm(tensor):
     """Sum of squares of `tensor` (any rank) as a scalar of its dtype."""
     size = tensor.shape.num_elements()
     squares = tf.square(tensor)
-    width = None if size is None or size < _SMALL else _fold_width(size)
+    width = None
+    if FOLD_INTO_MATVEC and size is not None and size >= _SMALL:
+        width = _fold_width(size)
     if width is None:
         return tf.reduce_sum(squares)
     rows = tf.reshape(squares, [size // width, width])

@@ -89,10 +89,11 @@ def _done(result):
     return result.numpy()
 
 
-def bench_dense(shapes, repeats, warmup, include_optax):
+def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=True):
     import keras
 
     import tf_lars
+    from tf_lars import _norms
 
     results = {}
     contenders = {
@@ -106,7 +107,24 @@ def bench_dense(shapes, repeats, warmup, include_optax):
     for name, make in contenders.items():
         variables, grads = _dense_problem(shapes)
         step = _compiled_apply(make(), variables)
+        _done(step(grads))  # traced and compiled here, with the norms as set
         steps[name] = (step, grads, variables)
+    if include_reference_norms:
+        # The same LARS with each norm as one `reduce_sum(square(x))`: what
+        # `tf_lars._norms` replaces (its docstring says why).
+        _norms.FOLD_INTO_MATVEC = False
+        try:
+            variables, grads = _dense_problem(shapes)
+            optimizer = tf_lars.LARS(0.1, momentum=0.9, weight_decay=1e-4)
+            step = _compiled_apply(optimizer, variables)
+            _done(step(grads))
+            steps["LARS(weight_decay=1e-4), reduce_sum norms"] = (
+                step,
+                grads,
+                variables,
+            )
+        finally:
+            _norms.FOLD_INTO_MATVEC = True
     # Interleave the timing so that drift in machine load hits both alike.
     samples = {name: [] for name in steps}
     rounds = 3

@@ -402,17 +402,22 @@ class LARS(keras.optimizers.Optimizer):
         if momentum_slot is None:
             self.assign_sub(variable, rate * gradient)
             return
-        mu = tf.constant(self.momentum, dtype)
+        # One fused kernel updates the slot and the variable in a single pass
+        # (`v <- mu * v + lr' * g''; w <- w - lr * v`, or the Nesterov form).
         if self.classic_momentum:
-            scaled = rate * gradient
-            velocity = mu * momentum_slot + scaled
-            self.assign(momentum_slot, velocity)
-            step = mu * velocity + scaled if self.nesterov else velocity
+            applied, step_rate = rate * gradient, tf.ones([], dtype)
         else:
-            velocity = mu * momentum_slot + gradient
-            self.assign(momentum_slot, velocity)
-            step = rate * (gradient + mu * velocity if self.nesterov else velocity)
-        self.assign_sub(variable, step)
+            applied, step_rate = gradient, rate
+        target = variable.value if isinstance(variable, keras.Variable) else variable
+        tf.raw_ops.ResourceApplyMomentum(
+            var=target.handle,
+            accum=momentum_slot.value.handle,
+            lr=step_rate,
+            grad=applied,
+            momentum=tf.constant(self.momentum, dtype),
+            use_locking=False,
+            use_nesterov=self.nesterov,
+        )
 
     def _sparse_update(self, gradient, variable, learning_rate, momentum_slot):
         """Row-wise momentum on the touched rows; duplicate indices summed.
