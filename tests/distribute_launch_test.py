@@ -11,8 +11,8 @@ import pytest
 
 from tests.distribute_launch_helpers import LaunchedCluster, read_json
 
-# The accuracy this run reaches is stated in docs/agn.md; the bar leaves room
-# for the random worker interleaving (measured 0.975-0.986).
+# The accuracy this run reaches is stated in the README (AGN section); the bar
+# leaves room for the random worker interleaving (measured 0.975-0.986).
 ACCURACY = 0.95
 
 

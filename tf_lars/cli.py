@@ -13,7 +13,7 @@ batch sizes and learning rates and prints a table of test accuracy. `bench`
 runs `tf_lars.bench`, the optimizer step benchmarks.
 
 Configuration or data problems print one line to stderr and exit with
-status 2. See `docs/cli.md` for every config key.
+status 2. See the README (section "The `tf-lars` command line") for every config key.
 """
 
 import argparse
