@@ -6,6 +6,8 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
+from tf_lars._wrapper import InnerOptimizerWrapper
+
 # Base-optimizer arguments that belong on the inner optimizer. Only their
 # defaults are accepted, so that configs written by other tools still load.
 _BASE_DEFAULTS = {
@@ -94,7 +96,7 @@ class _State:
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class AGN(keras.optimizers.Optimizer):
+class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     """Accumulated Gradient Normalization: local steps, normalized commits.
 
     Each worker trains a local copy of the model with the inner optimizer and
@@ -574,31 +576,10 @@ class AGN(keras.optimizers.Optimizer):
         self.pull()
         return tf.constant(True)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise ValueError(
-            "`stateless_apply` is not supported with the TensorFlow backend; "
-            "use `apply`."
-        )
-
-    # ---------------------------------------------------------- serialization
     def get_config(self):
-        # Not `super().get_config()`: the wrapper has none of the base
-        # optimizer's hyperparameters.
-        return {
-            "inner_optimizer": keras.saving.serialize_keras_object(
-                self.inner_optimizer
-            ),
-            "communication_period": self.communication_period,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner_optimizer = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
+        return self._wrapper_config(
+            communication_period=self.communication_period,
         )
-        return cls(inner_optimizer, **config)
 
 
 def _copy_of(variable):

@@ -25,8 +25,57 @@ def _find_loss_scale_optimizer(optimizer):
     return None
 
 
+def _loss_scale_of(optimizer):
+    """The current scale of a loss-scale optimizer, as a Python float."""
+    if hasattr(optimizer, "loss_scale"):
+        scale = optimizer.loss_scale
+    elif optimizer.built:
+        scale = optimizer.dynamic_scale.value
+    else:
+        scale = optimizer.initial_scale
+    return float(keras.ops.convert_to_numpy(scale))
+
+
+class _ScalarLogger(keras.callbacks.Callback):
+    """Validated `log_dir` / `writer` / `prefix`, and TensorBoard scalar output."""
+
+    def __init__(self, log_dir, writer, prefix):
+        super().__init__()
+        if log_dir is not None and writer is not None:
+            raise ValueError(
+                "Give at most one of `log_dir` and `writer`. Received: "
+                f"log_dir={log_dir!r}, writer={writer!r}"
+            )
+        if not isinstance(prefix, str):
+            raise ValueError(f"`prefix` must be a str. Received: prefix={prefix!r}")
+        self.log_dir = log_dir
+        self.writer = writer
+        self.prefix = prefix
+        self._owns_writer = False
+
+    def _open_writer(self):
+        if self.writer is None and self.log_dir is not None:
+            self.writer = tf.summary.create_file_writer(self.log_dir)
+            self._owns_writer = True
+
+    def _write_scalars(self, values, step):
+        """Writes `{tag: value}` at `step` when there is a writer."""
+        if self.writer is None:
+            return
+        with self.writer.as_default():
+            for tag, value in values.items():
+                _write_scalar(tag, value, step)
+        self.writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._owns_writer:
+            self.writer.close()
+            self.writer = None
+            self._owns_writer = False
+
+
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LossScaleMonitor(keras.callbacks.Callback):
+class LossScaleMonitor(_ScalarLogger):
     """Logs the loss scale and the count of skipped steps at each epoch end.
 
     Adds two entries to the epoch logs, so they land in `history.history`
@@ -66,18 +115,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     """
 
     def __init__(self, log_dir=None, writer=None, prefix=""):
-        super().__init__()
-        if log_dir is not None and writer is not None:
-            raise ValueError(
-                "Give at most one of `log_dir` and `writer`. Received: "
-                f"log_dir={log_dir!r}, writer={writer!r}"
-            )
-        if not isinstance(prefix, str):
-            raise ValueError(f"`prefix` must be a str. Received: prefix={prefix!r}")
-        self.log_dir = log_dir
-        self.writer = writer
-        self.prefix = prefix
-        self._owns_writer = False
+        super().__init__(log_dir, writer, prefix)
 
     def _optimizer(self):
         optimizer = _find_loss_scale_optimizer(getattr(self.model, "optimizer", None))
@@ -91,20 +129,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._optimizer()
-        if self.writer is None and self.log_dir is not None:
-            self.writer = tf.summary.create_file_writer(self.log_dir)
-            self._owns_writer = True
+        self._open_writer()
 
     def current_values(self):
         """`{key: value}` for the model's optimizer as it is now."""
         optimizer = self._optimizer()
-        if hasattr(optimizer, "loss_scale"):
-            scale = optimizer.loss_scale
-        elif optimizer.built:
-            scale = optimizer.dynamic_scale.value
-        else:
-            scale = optimizer.initial_scale
-        values = {self.prefix + "loss_scale": float(tf.convert_to_tensor(scale))}
+        values = {self.prefix + "loss_scale": _loss_scale_of(optimizer)}
         if hasattr(optimizer, "skipped_steps"):
             values[self.prefix + "skipped_steps"] = int(optimizer.skipped_steps)
         return values
@@ -113,35 +143,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         values = self.current_values()
         if logs is not None:
             logs.update(values)
-        if self.writer is not None:
-            with self.writer.as_default():
-                for key, value in values.items():
-                    _write_scalar(key, value, epoch)
-            self.writer.flush()
-
-    def on_train_end(self, logs=None):
-        if self._owns_writer:
-            self.writer.close()
-            self.writer = None
-            self._owns_writer = False
+        self._write_scalars(values, epoch)
 
     def get_config(self):
         return {"log_dir": self.log_dir, "prefix": self.prefix}
 
 
-def _scalar_metadata():
-    # Written with the core `tf.summary.write` and TensorBoard's "scalars"
-    # plugin tag, so the scalars need no `tensorboard` package to be written
-    # and still show up in TensorBoard's Scalars dashboard.
-    from tensorflow.core.framework import summary_pb2
-
-    return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-    )
-
-
 @keras.saving.register_keras_serializable(package="tf_lars")
-class TrustRatioMonitor(keras.callbacks.Callback):
+class TrustRatioMonitor(_ScalarLogger):
     """Records LARS's per-variable trust ratios (and the loss scale) in `fit`.
 
     Reads `optimizer.trust_ratios` (the trust ratio each trainable variable
@@ -192,7 +201,6 @@ class TrustRatioMonitor(keras.callbacks.Callback):
     def __init__(
         self, log_every_n_batches=None, log_dir=None, writer=None, prefix="trust_ratio/"
     ):
-        super().__init__()
         if log_every_n_batches is not None and (
             isinstance(log_every_n_batches, bool)
             or not isinstance(log_every_n_batches, int)
@@ -202,18 +210,8 @@ class TrustRatioMonitor(keras.callbacks.Callback):
                 "`log_every_n_batches` must be None or an int >= 1. "
                 f"Received: log_every_n_batches={log_every_n_batches!r}"
             )
-        if log_dir is not None and writer is not None:
-            raise ValueError(
-                "Give at most one of `log_dir` and `writer`. Received: "
-                f"log_dir={log_dir!r}, writer={writer!r}"
-            )
-        if not isinstance(prefix, str):
-            raise ValueError(f"`prefix` must be a str. Received: prefix={prefix!r}")
+        super().__init__(log_dir, writer, prefix)
         self.log_every_n_batches = log_every_n_batches
-        self.log_dir = log_dir
-        self.writer = writer
-        self.prefix = prefix
-        self._owns_writer = False
         self._reset()
 
     def _reset(self):
@@ -255,9 +253,7 @@ class TrustRatioMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._optimizers()
         self._reset()
-        if self.writer is None and self.log_dir is not None:
-            self.writer = tf.summary.create_file_writer(self.log_dir)
-            self._owns_writer = True
+        self._open_writer()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -288,32 +284,17 @@ class TrustRatioMonitor(keras.callbacks.Callback):
             self.paths = list(optimizer.trust_ratio_paths)
         loss_scale = None
         if wrapper is not None:
-            scale = getattr(wrapper, "loss_scale", None)
-            if scale is None:
-                scale = wrapper.dynamic_scale
-            loss_scale = float(keras.ops.convert_to_numpy(scale))
+            loss_scale = _loss_scale_of(wrapper)
         self.steps.append(step)
         self.epochs.append(self._epoch)
         self._ratios.append(ratios)
         self.loss_scales.append(loss_scale)
-        if self.writer is not None:
-            metadata = _scalar_metadata()
-            with self.writer.as_default():
-                for path, ratio in zip(self.paths, ratios, strict=True):
-                    tf.summary.write(
-                        self.prefix + path,
-                        tf.constant(float(ratio), tf.float32),
-                        step=step,
-                        metadata=metadata,
-                    )
-                if loss_scale is not None:
-                    tf.summary.write(
-                        "loss_scale",
-                        tf.constant(loss_scale, tf.float32),
-                        step=step,
-                        metadata=metadata,
-                    )
-            self.writer.flush()
+        scalars = {
+            self.prefix + p: float(r) for p, r in zip(self.paths, ratios, strict=True)
+        }
+        if loss_scale is not None:
+            scalars["loss_scale"] = loss_scale
+        self._write_scalars(scalars, step)
         return ratios, loss_scale
 
     def on_epoch_end(self, epoch, logs=None):
@@ -325,12 +306,6 @@ class TrustRatioMonitor(keras.callbacks.Callback):
                 history.history.setdefault(key, []).append(float(ratio))
         if loss_scale is not None and logs is not None:
             logs["loss_scale"] = loss_scale
-
-    def on_train_end(self, logs=None):
-        if self._owns_writer:
-            self.writer.close()
-            self.writer = None
-            self._owns_writer = False
 
     def get_config(self):
         return {

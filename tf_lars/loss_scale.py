@@ -7,6 +7,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_lars._wrapper import InnerOptimizerWrapper
+
 # The scale lives in a float32 variable. Doubling past the largest float32
 # would make it inf (every later step non-finite, the scale stuck at inf) and
 # halving past the smallest normal float32 drives it to 0 (the unscaled
@@ -100,7 +102,7 @@ def _unscale(gradient, scale):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     """Scales the loss, unscales and checks the gradients, skips non-finite steps.
 
     For mixed-precision training (`keras.mixed_precision.set_global_policy(
@@ -360,30 +362,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 tf.maximum(self.dynamic_scale.value * 0.5, _MIN_SCALE)
             )
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise ValueError(
-            "`stateless_apply` is not supported with the TensorFlow backend; "
-            "use `apply`."
-        )
-
-    # -------------------------------------------------------- serialization
     def get_config(self):
-        # Not `super().get_config()`: the wrapper has none of the base
-        # optimizer's hyperparameters.
-        return {
-            "inner_optimizer": keras.saving.serialize_keras_object(
-                self.inner_optimizer
-            ),
-            "initial_scale": self.initial_scale,
-            "dynamic": self.dynamic,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner_optimizer = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
+        return self._wrapper_config(
+            initial_scale=self.initial_scale,
+            dynamic=self.dynamic,
+            dynamic_growth_steps=self.dynamic_growth_steps,
         )
-        return cls(inner_optimizer, **config)

@@ -1,0 +1,41 @@
+"""What tf_lars's optimizer wrappers (`LossScaleOptimizer`, `AGN`) share."""
+
+import keras
+
+
+class InnerOptimizerWrapper:
+    """Mixin for optimizers built around an `inner_optimizer`.
+
+    Serializes the inner optimizer with `keras.saving.serialize_keras_object`
+    (so its class and config round-trip, `tf_lars.LARS` included) and refuses
+    `stateless_apply`, which the TensorFlow backend cannot run. Put it first
+    in the bases so that it overrides the Keras optimizer's versions.
+    """
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise ValueError(
+            "`stateless_apply` is not supported with the TensorFlow backend; "
+            "use `apply`."
+        )
+
+    def _wrapper_config(self, **arguments):
+        """The config: the serialized inner optimizer, `arguments`, the name.
+
+        Not `super().get_config()`: a wrapper has none of the base
+        optimizer's hyperparameters.
+        """
+        return {
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            **arguments,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner_optimizer = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner_optimizer, **config)
