@@ -285,12 +285,17 @@ _LOSS_SCALE = {
 }
 _PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
-TRAIN_SCHEMA = {
+# Keys that `train` and `sweep` configs share, in this order.
+_COMMON = {
     "seed": Int(low=0),
     "output_dir": Str(),
     "run_name": Str(nullable=True),
     "data": _DATA,
     "model": _MODEL,
+}
+
+TRAIN_SCHEMA = {
+    **_COMMON,
     "training": {
         "epochs": Int(low=1),
         "batch_size": Int(low=1, words=("full",)),
@@ -312,11 +317,7 @@ TRAIN_SCHEMA = {
 }
 
 SWEEP_SCHEMA = {
-    "seed": Int(low=0),
-    "output_dir": Str(),
-    "run_name": Str(nullable=True),
-    "data": _DATA,
-    "model": _MODEL,
+    **_COMMON,
     "training": {
         "epochs": Int(low=1),
         "jit_compile": Bool(words=("auto",)),

@@ -1,6 +1,25 @@
 """What tf_lars's optimizer wrappers (`LossScaleOptimizer`, `AGN`) share."""
 
 import keras
+import tensorflow as tf
+
+
+def all_finite(gradients):
+    """A scalar bool tensor: every entry of every gradient is finite.
+
+    Sparse gradients are checked on their values, never densified. The result
+    is a tensor, so under `tf.function` / XLA the decision stays on device.
+    """
+    checks = []
+    for gradient in gradients:
+        if gradient is None:
+            continue
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = gradient.values
+        checks.append(tf.reduce_all(tf.math.is_finite(gradient)))
+    if not checks:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(checks))
 
 
 class InnerOptimizerWrapper:

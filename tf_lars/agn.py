@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
-from tf_lars._wrapper import InnerOptimizerWrapper
+from tf_lars._wrapper import InnerOptimizerWrapper, all_finite
 
 # Base-optimizer arguments that belong on the inner optimizer. Only their
 # defaults are accepted, so that configs written by other tools still load.
@@ -46,19 +46,6 @@ def _clone(optimizer, suffix, drop_loss_scale_factor=False):
 
 def _is_parameter_server_strategy(strategy):
     return isinstance(strategy, tf.distribute.ParameterServerStrategy)
-
-
-def _all_finite(gradients):
-    checks = []
-    for gradient in gradients:
-        if gradient is None:
-            continue
-        if isinstance(gradient, tf.IndexedSlices):
-            gradient = gradient.values
-        checks.append(tf.reduce_all(tf.math.is_finite(gradient)))
-    if not checks:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack(checks))
 
 
 def _map_values(gradient, fn):
@@ -490,7 +477,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 f"({len(state.local)}). Received {len(grads)}."
             )
         if _is_loss_scale_optimizer(state.local_optimizer):
-            finite = _all_finite(grads)
+            finite = all_finite(grads)
             scale = tf.convert_to_tensor(state.local_optimizer.scale_loss(1.0))
         else:
             finite = tf.constant(True)

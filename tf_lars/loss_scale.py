@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars._wrapper import InnerOptimizerWrapper
+from tf_lars._wrapper import InnerOptimizerWrapper, all_finite
 
 # The scale lives in a float32 variable. Doubling past the largest float32
 # would make it inf (every later step non-finite, the scale stuck at inf) and
@@ -63,24 +63,6 @@ def _check_inner_optimizer(inner_optimizer):
             "loss would be scaled twice. Received: "
             f"inner_optimizer={inner_optimizer!r}"
         )
-
-
-def _all_finite(gradients):
-    """A scalar bool tensor: every entry of every gradient is finite.
-
-    Sparse gradients are checked on their values, never densified. The result
-    is a tensor, so under `tf.function` / XLA the decision stays on device.
-    """
-    checks = []
-    for gradient in gradients:
-        if gradient is None:
-            continue
-        if isinstance(gradient, tf.IndexedSlices):
-            gradient = gradient.values
-        checks.append(tf.reduce_all(tf.math.is_finite(gradient)))
-    if not checks:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack(checks))
 
 
 def _unscale(gradient, scale):
@@ -246,7 +228,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
 
     def check_finite(self, grads):
         """A scalar bool tensor: every gradient (dense or sparse) is finite."""
-        return _all_finite(grads)
+        return all_finite(grads)
 
     # ---------------------------------------------------------------- apply
     def apply(self, grads, trainable_variables=None):
