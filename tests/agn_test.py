@@ -480,3 +480,24 @@ def test_state_needs_build():
         ValueError, match="`commits` exists once the optimizer is built"
     ):
         opt.commits  # noqa: B018
+
+
+def test_inner_lars_exclusions_reach_the_center_optimizer():
+    # The center optimizer is built on AGN's own copies; LARS's path-based
+    # exclusions must still resolve against the model variables' paths.
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, name="dense")], name="net"
+    )
+    inner = tf_lars.LARS(
+        learning_rate=0.1,
+        weight_decay=0.1,
+        exclude_from_weight_decay=["dense/bias"],
+        exclude_from_layer_adaptation=[r"^net/dense/bias$"],
+    )
+    agn = tf_lars.AGN(inner, communication_period=2)
+    agn.build(model.trainable_variables)
+    center = agn._center_optimizer
+    assert inner._variable_weight_decay == [0.1, 0.0]
+    assert center._variable_weight_decay == [0.1, 0.0]
+    assert center._variable_adapted == inner._variable_adapted == [True, False]
+    assert center.trust_ratio_paths == ["net/dense/kernel", "net/dense/bias"]

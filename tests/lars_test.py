@@ -711,3 +711,21 @@ def test_update_step_accepts_keras_variables_directly():
     expected, _, _ = _run_numpy(weights, grads, 0.5, config)
     for variable, want in zip(variables, expected, strict=True):
         np.testing.assert_allclose(variable.numpy(), want, rtol=1e-10)
+
+
+def test_callable_learning_rate_is_read_at_every_eager_step():
+    rates = iter([1.0, 0.0, 0.5])
+    current = {"lr": next(rates)}
+    optimizer = tf_lars.LARS(
+        learning_rate=lambda: current["lr"],
+        momentum=0.0,
+        exclude_from_layer_adaptation=["."],  # T = 1: steps are lr * g
+    )
+    variable = keras.Variable(np.zeros(3), dtype="float32")
+    grad = tf.constant([1.0, 2.0, 4.0])
+    expected = np.zeros(3)
+    for _ in range(3):
+        optimizer.apply([grad], [variable])
+        expected -= current["lr"] * grad.numpy()
+        np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
+        current["lr"] = next(rates, 0.0)

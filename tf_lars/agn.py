@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras.src.utils import tracking
 
 from tf_lars._wrapper import InnerOptimizerWrapper, all_finite
+from tf_lars.lars import SOURCE_PATH_ATTRIBUTE
 
 # Base-optimizer arguments that belong on the inner optimizer. Only their
 # defaults are accepted, so that configs written by other tools still load.
@@ -238,8 +239,11 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     def _build_single_worker(self, var_list):
         self._check_strategy()
         centers = [
-            self.add_variable_from_reference(
-                variable, name="agn_center", initializer=_copy_of(variable)
+            _stand_in_for(
+                self.add_variable_from_reference(
+                    variable, name="agn_center", initializer=_copy_of(variable)
+                ),
+                variable,
             )
             for variable in var_list
         ]
@@ -305,7 +309,9 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 lock = tf.CriticalSection(name=f"{self.name}_commit")
         with _per_worker.worker_local_scope(strategy):
             with keras.name_scope(self.name, caller=self):
-                local = [_worker_variable(v, "local") for v in var_list]
+                local = [
+                    _stand_in_for(_worker_variable(v, "local"), v) for v in var_list
+                ]
                 accumulators = [_worker_variable(v, "accumulator") for v in var_list]
                 local_optimizer = _clone(self.inner_optimizer, "local")
                 local_optimizer.build(local)
@@ -567,6 +573,21 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         return self._wrapper_config(
             communication_period=self.communication_period,
         )
+
+
+def _stand_in_for(copy, reference):
+    """Marks `copy` as standing in for the model variable `reference`.
+
+    The center and local copies have paths of their own; the mark lets an
+    inner `tf_lars.LARS` resolve exclusions (regexes on `variable.path`)
+    against the model variable's path, as for the model's own optimizer.
+    """
+    path = getattr(reference, SOURCE_PATH_ATTRIBUTE, None) or getattr(
+        reference, "path", None
+    )
+    if path is not None:
+        setattr(copy, SOURCE_PATH_ATTRIBUTE, path)
+    return copy
 
 
 def _copy_of(variable):

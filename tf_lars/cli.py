@@ -7,7 +7,7 @@ tf-lars bench [bench arguments ...]
 ```
 
 `train` runs one training from a YAML config (the embedded default trains a
-small CNN with LARS on scikit-learn's digits in about a minute on 2 CPU cores)
+small CNN with LARS on scikit-learn's digits in about 15 seconds on 2 CPU cores)
 and writes a run folder. `sweep` trains SGD-with-momentum and LARS across
 batch sizes and learning rates and prints a table of test accuracy. `bench`
 runs `tf_lars.bench`, the optimizer step benchmarks.

@@ -76,8 +76,16 @@ def _check_patterns(name, value):
     return tuple(patterns)
 
 
+#: Attribute that tf_lars sets on variables standing in for a model variable
+#: (AGN's center and worker-local copies): the model variable's path, so that
+#: exclusions written against model paths apply to the copies too.
+SOURCE_PATH_ATTRIBUTE = "_tf_lars_source_path"
+
+
 def _variable_path(variable):
-    path = getattr(variable, "path", None)
+    path = getattr(variable, SOURCE_PATH_ATTRIBUTE, None) or getattr(
+        variable, "path", None
+    )
     if path is None:
         # A bare `tf.Variable` has no path; its name is the closest thing.
         path = variable.name.split(":")[0]
@@ -178,7 +186,8 @@ class LARS(keras.optimizers.Optimizer):
     The base class's decoupled `weight_decay` is not used: LARS's weight
     decay is coupled, and the base method
     `exclude_from_weight_decay(var_list, var_names)` still works (call it
-    before the first step); its exclusions add to the constructor's.
+    before the first step); its exclusions add to the constructor's
+    weight-decay list (layer adaptation follows the constructor's lists only).
 
     References:
         - [You, Gitman, Ginsburg 2017: Large Batch Training of Convolutional
@@ -502,7 +511,9 @@ class LARS(keras.optimizers.Optimizer):
         eagerly outside a multi-replica strategy and `self.jit_compile` is
         true, the whole update (every variable, slot and the iteration
         counter) runs as one `tf.function(jit_compile=True)`, traced once per
-        list of variables.
+        list of variables. A float or a `LearningRateSchedule` learning rate
+        is read inside the compiled step; with a plain callable learning rate
+        `apply` runs op by op, so that the callable is called at every step.
         """
         if not self._should_compile_apply():
             return super().apply(grads, trainable_variables)
@@ -535,6 +546,13 @@ class LARS(keras.optimizers.Optimizer):
 
     def _should_compile_apply(self):
         if not self.jit_compile or not tf.executing_eagerly():
+            return False
+        if callable(self._learning_rate) and not isinstance(
+            self._learning_rate,
+            keras.Variable | keras.optimizers.schedules.LearningRateSchedule,
+        ):
+            # A plain callable is Python: a compiled step would freeze the
+            # value it returned when the step was traced.
             return False
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
@@ -578,9 +596,10 @@ class LARS(keras.optimizers.Optimizer):
         known = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
         unknown = sorted(set(config) - known)
         if unknown:
+            received = {key: config[key] for key in unknown}
             raise ValueError(
                 f"Unknown key(s) in {cls.__name__} config: {unknown}. "
-                f"Valid keys: {sorted(known)}"
+                f"Received: {received}. Valid keys: {sorted(known)}"
             )
         return super().from_config(dict(config), custom_objects=custom_objects)
 
