@@ -134,7 +134,8 @@ def test_fit_arguments_are_validated(result):
         "`steps_per_worker` must be a positive multiple of `communication_period` "
         "(3). Received: steps_per_worker=31",
         "`rounds` must be an int >= 1. Received: rounds=0",
-        "Pass exactly one of `steps_per_worker` and `rounds`.",
+        "Pass exactly one of `steps_per_worker` and `rounds`. Received: "
+        "steps_per_worker=None, rounds=None",
     ]
 
 

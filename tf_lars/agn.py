@@ -288,7 +288,10 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             raise ValueError(
                 "`inner_optimizer` must be created under the same "
                 "`strategy.scope()` as AGN, so that its state lives on the "
-                "parameter servers."
+                "parameter servers. Received: inner_optimizer="
+                f"{self.inner_optimizer!r} created under "
+                f"{type(inner_strategy).__name__}, AGN under "
+                f"{type(strategy).__name__}."
             )
         for variable in var_list:
             if isinstance(variable, keras.Variable):
@@ -404,7 +407,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             raise ValueError(
                 "Under ParameterServerStrategy the workers' learning rate lives "
                 "on the workers and cannot be assigned from the coordinator; "
-                "use a `LearningRateSchedule` on the inner optimizer."
+                "use a `LearningRateSchedule` on the inner optimizer. "
+                f"Received: learning_rate={learning_rate!r}"
             )
         self.inner_optimizer.learning_rate = learning_rate
         if self.built:

@@ -260,7 +260,10 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
-        parser.error("--repeats must be >= 1 and --warmup >= 0")
+        parser.error(
+            "--repeats must be >= 1 and --warmup >= 0. "
+            f"Received: --repeats {args.repeats} --warmup {args.warmup}"
+        )
     parts = args.only or ["dense", "eager", "sparse"]
 
     import tensorflow as tf

@@ -414,7 +414,10 @@ class ParameterServerTrainer:
         """
         period = self.optimizer.communication_period
         if (steps_per_worker is None) == (rounds is None):
-            raise ValueError("Pass exactly one of `steps_per_worker` and `rounds`.")
+            raise ValueError(
+                "Pass exactly one of `steps_per_worker` and `rounds`. Received: "
+                f"steps_per_worker={steps_per_worker!r}, rounds={rounds!r}"
+            )
         if steps_per_worker is not None:
             if (
                 isinstance(steps_per_worker, bool)
