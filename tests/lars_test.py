@@ -729,3 +729,15 @@ def test_callable_learning_rate_is_read_at_every_eager_step():
         expected -= current["lr"] * grad.numpy()
         np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
         current["lr"] = next(rates, 0.0)
+
+
+def test_numpy_scalars_are_accepted_where_floats_are():
+    optimizer = tf_lars.LARS(
+        learning_rate=np.float32(0.5),
+        momentum=np.float64(0.8),
+        weight_decay=np.int64(0),
+    )
+    assert optimizer.get_config()["learning_rate"] == 0.5
+    assert optimizer.momentum == 0.8 and type(optimizer.momentum) is float
+    with pytest.raises(ValueError, match=r"momentum=np.float64\(1.5\)"):
+        tf_lars.LARS(momentum=np.float64(1.5))

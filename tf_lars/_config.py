@@ -14,10 +14,11 @@ import copy
 import importlib.resources
 import inspect
 import math
-import numbers
 import re
 
 import yaml
+
+from tf_lars._validation import is_int, is_real
 
 __all__ = [
     "ConfigError",
@@ -81,14 +82,6 @@ def _show(key, value):
     return f"Received: {key}={value!r}"
 
 
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 class Int:
     def __init__(self, low=None, high=None, nullable=False, words=()):
         self.low, self.high, self.nullable, self.words = low, high, nullable, words
@@ -111,7 +104,7 @@ class Int:
         if isinstance(value, str) and value in self.words:
             return value
         if (
-            not _is_int(value)
+            not is_int(value)
             or (self.low is not None and value < self.low)
             or (self.high is not None and value > self.high)
         ):
@@ -141,7 +134,7 @@ class Float:
     def check(self, key, value):
         if value is None and self.nullable:
             return None
-        ok = _is_real(value) and math.isfinite(value)
+        ok = is_real(value) and math.isfinite(value)
         if ok and self.low is not None:
             ok = value > self.low if self.low_open else value >= self.low
         if ok and self.high is not None:
@@ -419,7 +412,7 @@ def _check_optimizer_arguments(cls, config, key):
                         f"`{full}` is not a loadable learning-rate schedule: "
                         f"{_one_line(error)}"
                     ) from None
-            elif not (_is_real(value) and math.isfinite(value)):
+            elif not (is_real(value) and math.isfinite(value)):
                 raise ConfigError(
                     f"`{full}` must be a finite number or a serialized "
                     f"learning-rate schedule. {_show(full, value)}"
@@ -429,8 +422,8 @@ def _check_optimizer_arguments(cls, config, key):
                 raise ConfigError(
                     f"`{full}` must be true or false. {_show(full, value)}"
                 )
-        elif _is_real(default):
-            if not _is_real(value):
+        elif is_real(default):
+            if not is_real(value):
                 raise ConfigError(f"`{full}` must be a number. {_show(full, value)}")
         elif isinstance(default, str):
             if not isinstance(value, str):

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tf_lars import _norms
+from tf_lars._validation import is_real
 
 #: Entry for `exclude_from_weight_decay` / `exclude_from_layer_adaptation`
 #: that matches every variable of rank 0 or 1 (biases, normalization scales
@@ -15,10 +16,6 @@ from tf_lars import _norms
 ALL_1D = "<1d>"
 
 _TRUST_RATIOS = ("paper", "decayed")
-
-
-def _is_real_number(value):
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_number(name, value, *, low=None, low_inclusive=True, high=None):
@@ -29,7 +26,7 @@ def _check_number(name, value, *, low=None, low_inclusive=True, high=None):
     if high is not None:
         rule.append(f"< {high}")
     rule_text = " and ".join(rule) if rule else "finite"
-    if not _is_real_number(value) or not math.isfinite(value):
+    if not is_real(value) or not math.isfinite(value):
         raise ValueError(
             f"`{name}` must be a finite number {rule_text}. Received: {name}={value!r}"
         )
@@ -228,7 +225,7 @@ class LARS(keras.optimizers.Optimizer):
         name="lars",
         **kwargs,
     ):
-        if _is_real_number(learning_rate):
+        if is_real(learning_rate):
             learning_rate = _check_number("learning_rate", learning_rate, low=0.0)
         elif not (
             isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule)
