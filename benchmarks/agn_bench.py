@@ -2,14 +2,15 @@
 
 Not a test. Starts the same cluster twice with `tf_lars.distribute.launch`
 (1 chief, 2 workers, 1 parameter server, separate processes on localhost),
-trains the digits classifier of `tf_lars.distribute.train_example` for the
+trains the digits classifier of `examples/agn_digits.py` for the
 same number of local steps per worker, and prints a table:
 
 - commits and commits per second (wall time of the training loop),
 - bytes pushed to the parameter server per local step: the gradient payload
   (commits x model size / local steps) and what the parameter-server
   process actually received over TCP (kernel `bytes_received` of its
-  sockets, read with `ss`; includes gRPC framing and the pulls' requests),
+  sockets, read from the kernel; includes gRPC framing and the pulls'
+  requests),
 - final test accuracy.
 
 Usage:
@@ -41,7 +42,7 @@ def run_once(period, args, work_dir):
         "--log-dir",
         os.path.join(work_dir, f"logs{period}"),
         "--",
-        "tf_lars.distribute.train_example",
+        os.path.join(REPO, "examples", "agn_digits.py"),
         "--period",
         str(period),
         "--steps-per-worker",

@@ -2,6 +2,7 @@
 model.fit under XLA, loss scaling, sparse gradients, saving and validation."""
 
 import inspect
+import os
 
 import keras
 import numpy as np
@@ -17,7 +18,8 @@ SEED_INNER = {
     "adam": lambda: keras.optimizers.Adam(0.1, beta_1=0.0, beta_2=0.0),
     "sgd": lambda: keras.optimizers.SGD(0.1),
 }
-# step -> (local var0, local var1, center var0, center var1); DESIGN.md.
+# step -> (local var0, local var1, center var0, center var1); docs/algorithms.md,
+# section "AGN".
 SEED_REFERENCE = {
     1: (0.1, 0.6, 0.0, 0.5),
     3: (0.3, 0.8, 0.0, 0.5),
@@ -496,8 +498,82 @@ def test_inner_lars_exclusions_reach_the_center_optimizer():
     )
     agn = tf_lars.AGN(inner, communication_period=2)
     agn.build(model.trainable_variables)
-    center = agn._center_optimizer
+    center = agn.center_optimizer
     assert inner._variable_weight_decay == [0.1, 0.0]
     assert center._variable_weight_decay == [0.1, 0.0]
     assert center._variable_adapted == inner._variable_adapted == [True, False]
     assert center.trust_ratio_paths == ["net/dense/kernel", "net/dense/bias"]
+
+
+# ------------------------------------------------------------ Keras contract
+def test_default_name_is_numbered_by_keras():
+    first = AGN(keras.optimizers.SGD())
+    second = AGN(keras.optimizers.SGD())
+    assert inspect.signature(AGN.__init__).parameters["name"].default is None
+    assert first.name.startswith("agn") and second.name.startswith("agn")
+    assert first.name != second.name
+    assert AGN(keras.optimizers.SGD(), name="mine").name == "mine"
+
+
+def test_hand_made_sparse_gradient_with_tuple_indices():
+    table = keras.Variable(np.zeros((5, 10), np.float32))
+    opt = AGN(keras.optimizers.SGD(0.1), communication_period=2)
+    rows = tf.IndexedSlices(tf.ones((3, 10)), (0, 2, 4), (5, 10))
+    opt.apply([rows], [table])
+    expected = np.zeros((5, 10))
+    expected[[0, 2, 4]] = 1.0
+    np.testing.assert_allclose(opt.accumulators[0].numpy(), expected)
+    np.testing.assert_allclose(table.numpy(), -0.1 * expected, atol=1e-7)
+
+    @tf.function
+    def step():
+        opt.apply([tf.IndexedSlices(tf.ones((3, 10)), (0, 2, 4), (5, 10))], [table])
+
+    step()  # the commit
+    assert int(opt.commits.numpy()) == 1
+    np.testing.assert_allclose(table.numpy(), -0.1 * expected, atol=1e-6)
+
+
+def test_python_list_gradients_do_not_retrace_the_compiled_inner_step():
+    var = keras.Variable([1.0, 2.0])
+    opt = AGN(tf_lars.LARS(learning_rate=0.1), communication_period=2)
+    opt.build([var])
+    for i in range(4):
+        opt.apply([[0.1 * (i + 1), 0.2]], [var])
+    assert int(opt.commits.numpy()) == 2
+    compiled = list(opt.inner_optimizer._compiled_apply.values())
+    assert compiled, "LARS did not compile its eager apply"
+    assert [f.experimental_get_tracing_count() for f in compiled] == [1]
+
+
+def test_counters_are_written_through_the_optimizer(monkeypatch):
+    # Keras's contract: optimizer variables change through `assign*`.
+    var = keras.Variable([1.0])
+    opt = AGN(keras.optimizers.SGD(0.1), communication_period=2)
+    opt.build([var])
+    written = []
+    assign_add = opt.assign_add
+
+    def recording(variable, value):
+        written.append(variable)
+        assign_add(variable, value)
+
+    monkeypatch.setattr(opt, "assign_add", recording)
+    for _ in range(2):
+        opt.apply([tf.constant([1.0])], [var])
+    assert any(v is opt.commits for v in written)
+    assert any(v is opt.local_steps for v in written)
+    assert int(opt.commits.numpy()) == 1 and int(opt.local_steps.numpy()) == 2
+
+
+def test_v0_1_0_checkpoint_restores(tmp_path):
+    # A one-process checkpoint written by tf_lars 0.1.0 (LARS inside AGN).
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(5), keras.layers.Dense(3)]
+    )
+    opt = AGN(tf_lars.LARS(learning_rate=0.1), communication_period=3)
+    opt.build(model.trainable_variables)
+    path = os.path.join(os.path.dirname(__file__), "data", "v0_1_0_agn_ckpt")
+    tf.train.Checkpoint(optimizer=opt).read(path).assert_consumed()
+    assert int(opt.commits.numpy()) == 1
+    assert int(opt.local_steps.numpy()) == 4

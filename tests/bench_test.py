@@ -2,7 +2,7 @@
 
 import re
 
-from tf_lars import bench
+from tf_lars.cli import bench
 
 
 def test_bench_runs_every_part_and_prints_tables(capsys):

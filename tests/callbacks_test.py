@@ -57,7 +57,7 @@ class _SnapshotWeights(keras.callbacks.Callback):
 
 
 def _reference_trust_ratios(model, weights, x, y, excluded):
-    """DESIGN.md's "paper" trust ratio, in NumPy, for the weights given."""
+    """The "paper" trust ratio (docs/algorithms.md, LARS step 2) in NumPy."""
     for variable, value in zip(model.trainable_variables, weights, strict=True):
         variable.assign(value)
     with tf.GradientTape() as tape:

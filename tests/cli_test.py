@@ -1,11 +1,14 @@
-"""Tests for the `tf-lars` command line (tf_lars/cli.py and its helpers)."""
+"""Tests for the `tf-lars` command line (the `tf_lars.cli` package)."""
 
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import textwrap
+import tomllib
 import types
 
 import keras
@@ -15,15 +18,17 @@ import pytest
 import yaml
 
 import tf_lars
-from tf_lars import cli
-from tf_lars._cli_sweep import format_table, plan, summarize
-from tf_lars._config import (
+import tf_lars.cli
+from tf_lars.cli.config import (
     ConfigError,
     apply_overrides,
     default_config,
+    default_config_path,
     load_config,
     optimizer_from_block,
 )
+from tf_lars.cli.main import main
+from tf_lars.cli.sweep import format_table, plan, summarize
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,7 +43,7 @@ TINY_TRAIN = [
 
 
 def _run(capsys, *argv):
-    code = cli.main(list(argv))
+    code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -67,7 +72,7 @@ def _assert_png(path, min_width=400, min_height=300):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("runs")
-    code = cli.main(
+    code = main(
         [
             "train",
             *TINY_TRAIN,
@@ -144,10 +149,13 @@ def test_train_summary_stdout_and_saved_model_agree(tiny_run, capsys):
     # The saved model loads without custom objects and scores the same.
     model = keras.models.load_model(run_dir / "model.keras")
     assert isinstance(model.optimizer, tf_lars.LARS)
-    assert isinstance(model.optimizer._learning_rate, tf_lars.WarmupPolynomialDecay)
+    schedule = keras.optimizers.schedules.deserialize(
+        model.optimizer.get_config()["learning_rate"]
+    )
+    assert isinstance(schedule, tf_lars.WarmupPolynomialDecay)
     assert int(model.optimizer.iterations.numpy()) == 105
     data = load_config("train")["data"]
-    from tf_lars._cli_data import load_data
+    from tf_lars.cli.data import load_data
 
     digits = load_data(data)
     logits = model.predict(digits.x_test, verbose=0)
@@ -540,7 +548,7 @@ def test_optimizer_with_schedule_saved_from_python(tmp_path, capsys):
         )
     )
     rebuilt = optimizer_from_block(load_config("train", path)["optimizer"])
-    assert rebuilt._learning_rate.get_config() == schedule.get_config()
+    assert rebuilt.get_config()["learning_rate"]["config"] == schedule.get_config()
     code, _, err = _run(capsys, "train", "--config", str(path))
     assert code == 0, err
     history = json.loads((tmp_path / "s" / "history.json").read_text())
@@ -597,18 +605,71 @@ def test_config_error_is_a_value_error():
 
 # -------------------------------------------------------- shipped configs
 @pytest.mark.parametrize("command", ["train", "sweep"])
-def test_repository_configs_are_the_embedded_defaults(command):
-    embedded = REPO / "tf_lars" / "configs" / f"{command}.yaml"
+def test_the_located_defaults_are_the_repository_configs(command):
+    # In a source checkout the defaults are configs/*.yaml themselves.
     top_level = REPO / "configs" / f"{command}.yaml"
-    assert top_level.read_bytes() == embedded.read_bytes()
+    located = default_config_path(command)
+    assert pathlib.Path(located) == top_level
+    assert located.read_bytes() == top_level.read_bytes()
     config = load_config(command)  # validates
     assert config["seed"] == 0
     assert load_config(command, top_level) == config
 
 
+def _installed_copy(root):
+    """`tf_lars` laid out as the build installs it: configs/ as package data."""
+    for source in (REPO / "tf_lars").rglob("*.py"):
+        target = root / source.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.read_bytes())
+    data = root / "tf_lars" / "cli" / "configs"
+    data.mkdir()
+    for source in (REPO / "configs").glob("*.yaml"):
+        (data / source.name).write_bytes(source.read_bytes())
+    return data
+
+
+def test_installed_package_reads_its_package_data(tmp_path):
+    data = _installed_copy(tmp_path)
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.argv = ["tf-lars"]  # lazy tf_lars: no TensorFlow needed here
+        from tf_lars.cli.config import default_config_path, load_config
+        for command in ("train", "sweep"):
+            print(default_config_path(command))
+            load_config(command)
+        print("tensorflow" in sys.modules)
+        """
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.split() == [
+        str(data / "train.yaml"),
+        str(data / "sweep.yaml"),
+        "False",
+    ]
+
+
+def test_pyproject_installs_configs_as_package_data():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    assert setuptools["package-dir"]["tf_lars.cli.configs"] == "configs"
+    assert setuptools["package-data"]["tf_lars.cli.configs"] == ["*.yaml"]
+    assert {"tf_lars.cli", "tf_lars.cli.configs"} <= set(setuptools["packages"])
+    assert not (REPO / "tf_lars" / "configs").exists()  # one source only
+
+
 @pytest.mark.parametrize("command", ["train", "sweep"])
 def test_every_config_key_has_a_comment(command):
-    text = (REPO / "tf_lars" / "configs" / f"{command}.yaml").read_text()
+    text = (REPO / "configs" / f"{command}.yaml").read_text()
     undocumented = []
     for line in text.splitlines():
         stripped = line.strip()
@@ -640,10 +701,12 @@ def test_default_sweep_plan():
     )
 
 
-def test_setup_declares_the_console_script():
-    setup = (REPO / "setup.py").read_text()
-    assert '"tf-lars=tf_lars.cli:main"' in setup
-    assert '"tf_lars": ["configs/*.yaml"]' in setup
+def test_pyproject_declares_the_console_script():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"tf-lars": "tf_lars.cli.main:main"}
+    cli = pyproject["project"]["optional-dependencies"]["cli"]
+    for package in ("pyyaml", "matplotlib", "scikit-learn", "pydantic"):
+        assert any(entry.startswith(package) for entry in cli), package
 
 
 # ------------------------------------------------------------------ sweep
@@ -747,7 +810,7 @@ def test_sweep_end_to_end_in_two_processes(tmp_path, capsys):
 # ------------------------------------------------------------------ bench
 def test_bench_forwards_arguments_and_exit_code(monkeypatch, capsys):
     calls = []
-    fake = types.ModuleType("tf_lars.bench")
+    fake = types.ModuleType("tf_lars.cli.bench")
 
     def fake_main(argv):
         calls.append(argv)
@@ -755,18 +818,143 @@ def test_bench_forwards_arguments_and_exit_code(monkeypatch, capsys):
         return 3
 
     fake.main = fake_main
-    monkeypatch.setitem(sys.modules, "tf_lars.bench", fake)
-    monkeypatch.setattr(tf_lars, "bench", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "tf_lars.cli.bench", fake)
+    monkeypatch.setattr(tf_lars.cli, "bench", fake, raising=False)
     code, out, _ = _run(capsys, "bench", "--steps", "5", "--sparse")
     assert code == 3
     assert calls == [["--steps", "5", "--sparse"]]
     assert "| optimizer | ms |" in out
+    # The global --tf-log reaches the bench as its own option.
+    code, _, _ = _run(capsys, "--tf-log", "bench", "--repeats", "2")
+    assert code == 3
+    assert calls[-1] == ["--tf-log", "--repeats", "2"]
 
 
 def test_bench_missing_module_is_a_clean_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tf_lars.bench", None)
-    monkeypatch.delattr(tf_lars, "bench", raising=False)
+    monkeypatch.setitem(sys.modules, "tf_lars.cli.bench", None)
+    monkeypatch.delattr(tf_lars.cli, "bench", raising=False)
     code, _, err = _run(capsys, "bench")
     _assert_one_line_error(
-        code, err, "bench", "tf_lars.bench is not part of this installation"
+        code, err, "bench", "tf_lars.cli.bench is not part of this installation"
     )
+
+
+# ------------------------------------------------- console script, TF logs
+def _console_script(directory):
+    """A `tf-lars` script like the one pip writes (argv[0] ends in tf-lars)."""
+    script = directory / "tf-lars"
+    script.write_text(
+        "import sys\n"
+        "from tf_lars.cli.main import main\n"
+        "if __name__ == '__main__':\n"
+        "    sys.exit(main())\n"
+    )
+    return script
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": python_path, **extra}
+
+
+HELP_PROBE = textwrap.dedent(
+    """
+    import sys
+    sys.argv = ["/usr/bin/tf-lars", *ARGS]
+    from tf_lars.cli.main import main
+    try:
+        code = main()
+    except SystemExit as exit_request:  # the bench's own argparse
+        code = exit_request.code
+    heavy = sorted(m for m in ("tensorflow", "keras", "numpy") if m in sys.modules)
+    print("CODE", code, "HEAVY", heavy)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], "usage: tf-lars [-h] [--tf-log] COMMAND"),
+        (["train"], "usage: tf-lars train [-h] [--config FILE] [--set KEY=VALUE]"),
+        (["sweep"], "usage: tf-lars sweep [-h] [--config FILE] [--set KEY=VALUE]"),
+        (["bench"], "usage: tf-lars bench [-h] [--repeats REPEATS]"),
+    ],
+)
+def test_help_does_not_import_tensorflow(args, expected, tmp_path):
+    process = subprocess.run(
+        [sys.executable, "-c", HELP_PROBE.replace("ARGS", repr([*args, "--help"]))],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.startswith(expected), process.stdout
+    assert "--tf-log" in process.stdout
+    assert process.stdout.rstrip().endswith("CODE 0 HEAVY []")
+    assert process.stderr == ""
+
+
+TF_LOG_LINE = re.compile(
+    r"^[IWEF]\d{4} |absl::InitializeLog|cpu_feature_guard|oneDNN|cudart|cuInit",
+    re.M,
+)
+
+
+def test_console_script_train_writes_no_tensorflow_log_lines(tmp_path):
+    script = _console_script(tmp_path)
+    process = subprocess.run(
+        [sys.executable, str(script), "train", *TINY_TRAIN,
+         "--set", "training.epochs=1", "--set", "training.verbose=0",
+         "--set", "schedule.name=none", "--set", f"output_dir={tmp_path}",
+         "--set", "run_name=quiet"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=300,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr
+    assert "Final test accuracy:" in process.stdout
+    assert TF_LOG_LINE.search(process.stderr) is None, process.stderr
+
+
+def test_console_script_sweep_workers_write_no_tensorflow_log_lines(tmp_path):
+    script = _console_script(tmp_path)
+    process = subprocess.run(
+        [sys.executable, str(script), "sweep",
+         "--set", "training.epochs=1", "--set", "schedule.warmup_epochs=0",
+         "--set", "sweep.batch_sizes=[full]", "--set", "sweep.grid_factors=[1.0]",
+         "--set", "sweep.workers=2", "--set", "model.width=4",
+         "--set", f"output_dir={tmp_path}", "--set", "run_name=quiet"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=300,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr
+    assert "[2/2]" in process.stdout
+    assert "on 2 worker process(es)" in process.stdout
+    assert TF_LOG_LINE.search(process.stderr) is None, process.stderr
+
+
+def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
+    # --tf-log sets no level: TensorFlow's own default prints its INFO lines.
+    missing = tmp_path / "missing.npz"
+    process = subprocess.run(
+        [sys.executable, str(_console_script(tmp_path)), "--tf-log", "train",
+         "--set", f"data.path={missing}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=300,
+    )  # fmt: skip
+    assert process.returncode == 2
+    assert TF_LOG_LINE.search(process.stderr) is not None, process.stderr
+    ours = [line for line in process.stderr.splitlines() if "tf-lars" in line]
+    assert ours == [f"tf-lars train: error: data.path={missing}: file not found"]

@@ -16,6 +16,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The program the launcher runs in these tests (a script path).
+EXAMPLE = os.path.join("examples", "agn_digits.py")
 
 
 def launcher_env():
@@ -40,7 +42,7 @@ class LaunchedCluster:
             self.log_dir,
             *launcher_args,
             "--",
-            "tf_lars.distribute.train_example",
+            EXAMPLE,
             *program_args,
         ]
         self.lines = []

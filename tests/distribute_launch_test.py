@@ -2,14 +2,22 @@
 as separate processes on localhost and AGN trains a digits classifier."""
 
 import errno
+import json
 import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from tests.distribute_launch_helpers import LaunchedCluster, read_json
+from tests.distribute_launch_helpers import (
+    REPO,
+    LaunchedCluster,
+    launcher_env,
+    read_json,
+)
 
 # The accuracy this run reaches is stated in the README (AGN section); the bar
 # leaves room for the random worker interleaving (measured 0.975-0.986).
@@ -99,3 +107,79 @@ def test_interrupt_stops_every_task(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# A program that only reports which task it is: the chief prints and exits
+# with status 5, the other tasks wait to be stopped. No TensorFlow.
+_PROBE = """
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print("probe", task["type"], task["index"], sys.argv[1:], flush=True)
+if task["type"] == "chief":
+    sys.exit(5)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("form", ["script", "script_without_suffix", "module"])
+def test_launcher_runs_a_script_path_or_a_module(tmp_path, form):
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    if form == "module":
+        (modules / "launch_probe.py").write_text(_PROBE)
+        program = ["-m", "launch_probe"]
+    else:
+        script = tmp_path / ("probe.py" if form == "script" else "probe")
+        script.write_text(_PROBE)
+        program = [str(script)]
+    env = launcher_env()
+    env["PYTHONPATH"] = str(modules) + os.pathsep + env["PYTHONPATH"]
+    log_dir = tmp_path / "logs"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tf_lars.distribute.launch",
+            "--workers",
+            "1",
+            "--ps",
+            "1",
+            "--log-dir",
+            str(log_dir),
+            "--",
+            *program,
+            "--flag",
+            "x",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    output = proc.stdout + proc.stderr
+    # The launcher exits with the chief's status.
+    assert proc.returncode == 5, output
+    assert "probe chief 0 ['--flag', 'x']" in proc.stdout
+    assert "[launch] chief exited with status 5; stopping the other tasks" in output
+    with open(log_dir / "cluster.json") as handle:
+        command = json.load(handle)["command"]
+    if form == "module":
+        assert command == [sys.executable, "-m", "launch_probe", "--flag", "x"]
+    else:
+        assert command == [sys.executable, str(script), "--flag", "x"]
+
+
+def test_launcher_needs_a_program():
+    for program in ([], ["-m"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tf_lars.distribute.launch", "--", *program],
+            cwd=REPO,
+            env=launcher_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "error: give the training program after `--`" in proc.stderr

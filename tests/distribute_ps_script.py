@@ -8,6 +8,7 @@ leaves with `os._exit`.
 import json
 import os
 import sys
+import tempfile
 import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -82,10 +83,11 @@ def seed_reference(strategy, coordinator):
         "center_iterations": int(optimizer.center_optimizer.iterations.numpy()),
         "worker_local_steps": trainer.worker_local_steps(),
         "local_types": sorted(
-            {type(v.value).__name__ for v in optimizer.local_variables}
+            {type(v.value).__name__ for v in trainer.ps_agn.local_variables}
         ),
         "local_copies_per_worker": [
-            [float(x) for x in v.value.read_all()] for v in optimizer.local_variables
+            [float(x) for x in v.value.read_all()]
+            for v in trainer.ps_agn.local_variables
         ],
         "center_placement": sorted({v.value.device for v in model.trainable_variables}),
         "evaluate": trainer.evaluate(
@@ -95,7 +97,7 @@ def seed_reference(strategy, coordinator):
     }
 
 
-def exact_count(strategy, coordinator, period, steps_per_worker):
+def exact_count(strategy, coordinator, period, steps_per_worker, checkpoint_dir):
     """K workers x N local steps at period P: K*N/P commits, none lost."""
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), TwoWeights()])
@@ -108,6 +110,7 @@ def exact_count(strategy, coordinator, period, steps_per_worker):
         dataset_fn,
         strategy,
         coordinator=coordinator,
+        checkpoint_dir=checkpoint_dir,
         checkpoint_every=5,
         log=lines.append,
     )
@@ -126,6 +129,38 @@ def exact_count(strategy, coordinator, period, steps_per_worker):
         "worker_local_steps": trainer.worker_local_steps(),
         "log": lines,
         "fit_errors": errors,
+        "checkpoints": [os.path.basename(path) for path in trainer.manager.checkpoints],
+        "checkpoint_commits": [
+            trainer_lib.checkpoint_commits(path) for path in trainer.manager.checkpoints
+        ],
+        "checkpoint_keys": sorted(
+            name
+            for name, _ in tf.train.list_variables(trainer.manager.latest_checkpoint)
+        ),
+        "resumed": resume(strategy, coordinator, period, checkpoint_dir),
+    }
+
+
+def resume(strategy, coordinator, period, checkpoint_dir):
+    """A new trainer on the same directory restores the latest checkpoint."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), TwoWeights()])
+        optimizer = tf_lars.AGN(keras.optimizers.SGD(0.01), communication_period=period)
+    trainer = trainer_lib.ParameterServerTrainer(
+        model,
+        negative_mean,
+        optimizer,
+        dataset_fn,
+        strategy,
+        coordinator=coordinator,
+        checkpoint_dir=checkpoint_dir,
+        log=lambda line: None,
+    )
+    return {
+        "restored_commits": trainer.restored_commits,
+        "commits": int(optimizer.commits.numpy()),
+        "local_steps": int(optimizer.local_steps.numpy()),
+        "center": center(model),
     }
 
 
@@ -148,19 +183,25 @@ def inner_variant(strategy, coordinator, make_inner):
     return {
         "commits": int(optimizer.commits.numpy()),
         "center": center(model),
-        "local_optimizer": type(optimizer.local_optimizer).__name__,
-        "center_optimizer": type(optimizer.center_optimizer).__name__,
+        "local_optimizer": type(trainer.ps_agn.local_optimizer).__name__,
+        "center_optimizer": type(trainer.ps_agn.center_optimizer).__name__,
+        "agn_center_optimizer": type(optimizer.center_optimizer).__name__,
         "worker_local_steps": trainer.worker_local_steps(),
     }
 
 
 def main():
     strategy, coordinator = cluster.in_process_cluster(num_workers=2, num_ps=1)
+    checkpoint_dir = tempfile.mkdtemp(prefix="tf_lars_ps_test_")
     result = {
         "num_workers": 2,
         "seed_reference": seed_reference(strategy, coordinator),
         "exact_count": exact_count(
-            strategy, coordinator, period=3, steps_per_worker=30
+            strategy,
+            coordinator,
+            period=3,
+            steps_per_worker=30,
+            checkpoint_dir=checkpoint_dir,
         ),
         "lars": inner_variant(
             strategy, coordinator, lambda: tf_lars.LARS(learning_rate=0.1, momentum=0.9)

@@ -88,12 +88,38 @@ def test_exact_commit_count_k_workers_n_steps_period_p(result):
     assert all("local steps" in line and "loss" in line for line in progress)
 
 
+def test_checkpoint_number_is_the_commit_count(result):
+    count = result["exact_count"]
+    # Saved every 5 commits, the last 3 kept, each numbered by its commit count.
+    assert count["checkpoints"] == ["ckpt-10", "ckpt-15", "ckpt-20"]
+    assert count["checkpoint_commits"] == [10, 15, 20]
+    saved = [line for line in count["log"] if "checkpoint saved" in line]
+    assert saved[-1].endswith("ckpt-20 (commit 20)")
+    # A new trainer on the directory restores exactly that many commits.
+    resumed = count["resumed"]
+    assert resumed["restored_commits"] == resumed["commits"] == 20
+    assert resumed["local_steps"] == 60
+    np.testing.assert_allclose(resumed["center"], count["center"], atol=1e-7)
+
+
+def test_checkpoint_holds_the_center_side_only(result):
+    # The 0.1.0 layout: model, AGN counters and the inner optimizer's slots
+    # (on the parameter servers); worker-local state is never checkpointed.
+    keys = result["exact_count"]["checkpoint_keys"]
+    assert "optimizer/_commits/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    assert "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    assert "optimizer/inner_optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    assert not [k for k in keys if "local" in k or "accumulator" in k]
+    assert not [k for k in keys if k.startswith("optimizer/_center_optimizer")]
+
+
 @pytest.mark.parametrize("variant", ["lars", "loss_scale_lars"])
 def test_lars_and_loss_scaled_lars_inner(result, variant):
     run = result[variant]
     assert run["commits"] == 4
     assert sum(run["worker_local_steps"]) == 8
     assert run["center_optimizer"] == "LARS"  # commits are never loss-scaled
+    assert run["agn_center_optimizer"] == "LARS"
     expected_local = "LossScaleOptimizer" if variant == "loss_scale_lars" else "LARS"
     assert run["local_optimizer"] == expected_local
     # Gradient -1 everywhere: both weights only go up.

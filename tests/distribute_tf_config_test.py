@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.distribute_launch_helpers import REPO, launcher_env
+from tests.distribute_launch_helpers import EXAMPLE, REPO, launcher_env
 from tf_lars.distribute import tf_config as tf_config_lib
 from tf_lars.distribute.tf_config import TFConfigError, parse_tf_config
 
@@ -125,7 +125,7 @@ def _run(args, tf_config=None, timeout=120):
 def test_entry_point_fails_before_any_work(tf_config, message, tmp_path):
     result = tmp_path / "result.json"
     proc, _ = _run(
-        ["-m", "tf_lars.distribute.train_example", "--result-json", str(result)],
+        [EXAMPLE, "--result-json", str(result)],
         tf_config,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -147,7 +147,7 @@ def test_launcher_rejects_bad_cluster_before_starting_tasks(tmp_path):
             "--cluster",
             cluster,
             "--",
-            "tf_lars.distribute.train_example",
+            EXAMPLE,
         ]
     )
     assert proc.returncode == 2
@@ -165,7 +165,7 @@ def test_launcher_rejects_bad_cluster_before_starting_tasks(tmp_path):
             "--tasks",
             "worker:5",
             "--",
-            "tf_lars.distribute.train_example",
+            EXAMPLE,
         ]
     )
     assert proc.returncode == 2

@@ -1,4 +1,4 @@
-"""NumPy reference of DESIGN.md's LARS rule, written independently of tf_lars."""
+"""NumPy reference of the LARS rule in docs/algorithms.md, independent of tf_lars."""
 
 import numpy as np
 

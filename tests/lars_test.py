@@ -18,7 +18,8 @@ from tf_lars.lars import ALL_1D
 SHAPES = [(), (5,), (4, 3), (2, 3, 2, 3)]
 STEPS = 4
 
-# Every row of DESIGN.md's mapping table, plus the momentum variants.
+# Every row of the mapping table in docs/algorithms.md ("LARS"), plus the
+# momentum variants.
 CONFIGS = {
     "paper": {},
     "paper_nesterov": {"nesterov": True},
@@ -741,3 +742,107 @@ def test_numpy_scalars_are_accepted_where_floats_are():
     assert optimizer.momentum == 0.8 and type(optimizer.momentum) is float
     with pytest.raises(ValueError, match=r"momentum=np.float64\(1.5\)"):
         tf_lars.LARS(momentum=np.float64(1.5))
+
+
+# Keras's optimizer contract (found by running Keras 3.15's own optimizer
+# tests against LARS).
+
+
+def test_default_name_is_numbered_like_keras_optimizers():
+    first, second = tf_lars.LARS(), tf_lars.LARS()
+    assert first.name == "lars"
+    assert second.name == "lars_1"
+    variable = keras.Variable(np.ones((2, 3), "float32"))
+    for optimizer in (first, second):
+        optimizer.build([variable])
+    assert first.iterations.path != second.iterations.path
+    assert first.momentums[0].path != second.momentums[0].path
+    assert tf_lars.LARS(name="mine").name == "mine"
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tuple_indices_in_a_hand_built_sparse_gradient(compiled):
+    values = np.full((3, 4), 0.5, "float32")
+    variable = keras.Variable(np.ones((5, 4), "float32"))
+    optimizer = tf_lars.LARS(learning_rate=0.1, momentum=0.9)
+    optimizer.jit_compile = compiled
+    velocity = np.zeros((5, 4), "float32")
+    expected = np.ones((5, 4), "float32")
+    for _ in range(3):
+        grad = tf.IndexedSlices(tf.constant(values), (0, 2, 4), (5, 4))
+        optimizer.apply([grad], [variable])
+        velocity[[0, 2, 4]] = 0.9 * velocity[[0, 2, 4]] + 0.1 * values
+        expected[[0, 2, 4]] -= velocity[[0, 2, 4]]
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(optimizer.momentums[0].numpy(), velocity, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_optimizer_variables_are_written_through_self_assign(sparse):
+    # Keras's sparse test: no direct `assign*` on a non-scalar tf.Variable,
+    # and a sparse gradient reaches `self.assign*` as IndexedSlices.
+    from unittest import mock
+
+    variable = keras.Variable(np.ones((5, 4), "float32"))
+    optimizer = tf_lars.LARS(learning_rate=0.1, momentum=0.9, weight_decay=0.01)
+    optimizer.build([variable])
+    if sparse:
+        grad = tf.IndexedSlices(tf.fill((3, 4), 0.5), tf.constant([0, 2, 4]), (5, 4))
+    else:
+        grad = tf.fill((5, 4), 0.5)
+    direct, through_optimizer, depth = [], [], [0]
+    variable_class = variable.value.__class__
+    originals = {
+        name: getattr(type(optimizer), name)
+        for name in ("assign", "assign_add", "assign_sub")
+    }
+
+    def recorder(name):
+        def record(self, target, value):
+            through_optimizer.append((name, isinstance(value, tf.IndexedSlices)))
+            depth[0] += 1
+            try:
+                return originals[name](self, target, value)
+            finally:
+                depth[0] -= 1
+
+        return record
+
+    def refuse(name):
+        original = getattr(variable_class, name)
+
+        def check(self, *args, **kwargs):
+            if len(self.shape) and not depth[0]:
+                direct.append(name)
+            return original(self, *args, **kwargs)
+
+        return check
+
+    patches = [
+        mock.patch.object(type(optimizer), n, recorder(n)) for n in originals
+    ] + [mock.patch.object(variable_class, n, refuse(n)) for n in originals]
+    for patch in patches:
+        patch.start()
+    try:
+        optimizer.apply([grad], [variable])
+    finally:
+        for patch in patches:
+            patch.stop()
+    assert direct == []
+    # The trust-ratio record is the one dense write; with a sparse gradient
+    # every other write is sparse (the variable and its momentum rows).
+    assert through_optimizer.count(("assign", False)) == 1
+    if sparse:
+        assert len(through_optimizer) == 4
+        assert all(s for n, s in through_optimizer if (n, s) != ("assign", False))
+
+
+def test_python_list_gradients_trace_the_compiled_apply_once():
+    variable = keras.Variable(np.ones((2, 3), "float32"))
+    optimizer = tf_lars.LARS(learning_rate=0.1)
+    for step in range(3):
+        optimizer.apply([[[0.1 * step] * 3] * 2], [variable])
+        optimizer.apply([np.full((2, 3), 0.2, "float32")], [variable])
+    (compiled,) = optimizer._compiled_apply.values()
+    assert compiled.experimental_get_tracing_count() == 1
+    assert optimizer.iterations.numpy() == 6

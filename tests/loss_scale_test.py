@@ -68,7 +68,8 @@ def assert_states_equal(before, after):
 
 
 # --------------------------------------------------------------------------
-# Keras 3 reference numbers (DESIGN.md), dynamic and fixed.
+# Keras 3 reference numbers (docs/algorithms.md, "Loss scaling"), dynamic and
+# fixed.
 # --------------------------------------------------------------------------
 
 
@@ -923,3 +924,68 @@ def test_mirrored_strategy_replicas_agree(tmp_path):
     assert (
         fit["loss_scale"][-1] == fit["initial_scale"] / 2.0 ** fit["skipped_steps"][-1]
     )
+
+
+# Keras's optimizer contract, as for LARS (tests/lars_test.py).
+
+
+def test_default_name_is_numbered_like_keras_optimizers():
+    first = tf_lars.LossScaleOptimizer(tf_lars.LARS())
+    second = tf_lars.LossScaleOptimizer(tf_lars.LARS())
+    assert first.name != second.name
+    assert first.inner_optimizer.name != second.inner_optimizer.name
+
+
+def test_tuple_indices_and_list_gradients_through_the_wrapper():
+    variable = keras.Variable(np.ones((5, 4), "float32"))
+    # Every variable excluded from adaptation: plain SGD on the dense steps.
+    inner = tf_lars.LARS(
+        learning_rate=0.1, momentum=0.0, exclude_from_layer_adaptation=[".*"]
+    )
+    optimizer = tf_lars.LossScaleOptimizer(inner, initial_scale=4.0)
+    values = np.full((3, 4), 2.0, "float32")  # 0.5 once unscaled
+    optimizer.apply(
+        [tf.IndexedSlices(tf.constant(values), (0, 2, 4), (5, 4))], [variable]
+    )
+    expected = np.ones((5, 4), "float32")
+    expected[[0, 2, 4]] -= 0.1 * 0.5
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
+    for _ in range(3):
+        optimizer.apply([[[4.0] * 4] * 5], [variable])
+    expected -= 3 * 0.1 * 1.0
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
+    # Two signatures (the sparse step, then the dense ones), not four.
+    assert len(inner._compiled_apply) == 1
+    (compiled,) = inner._compiled_apply.values()
+    assert compiled.experimental_get_tracing_count() == 2
+
+
+def test_counters_are_written_through_self_assign():
+    from unittest import mock
+
+    variable = keras.Variable(np.ones((3,), "float32"))
+    optimizer = tf_lars.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=8.0, dynamic_growth_steps=1
+    )
+    optimizer.build([variable])
+    written = []
+    original = type(optimizer).assign, type(optimizer).assign_add
+
+    def assign(self, target, value):
+        written.append(target.path)
+        return original[0](self, target, value)
+
+    def assign_add(self, target, value):
+        written.append(target.path)
+        return original[1](self, target, value)
+
+    with (
+        mock.patch.object(type(optimizer), "assign", assign),
+        mock.patch.object(type(optimizer), "assign_add", assign_add),
+    ):
+        optimizer.apply([tf.constant([8.0, 8.0, 8.0])], [variable])  # grows
+        optimizer.apply([tf.constant([np.inf, 8.0, 8.0])], [variable])  # skips
+    names = sorted({path.split("/")[-1] for path in written})
+    assert names == ["dynamic_scale", "skipped_step_counter", "step_counter"]
+    assert float(optimizer.loss_scale) == 8.0  # 8 -> 16 -> 8
+    assert int(optimizer.skipped_steps) == 1

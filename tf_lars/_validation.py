@@ -1,5 +1,11 @@
-"""Type predicates shared by the argument checks of tf_lars's modules."""
+"""Argument checks shared by tf_lars's constructors.
 
+Every check raises `ValueError` naming the argument, the rule and the
+received value: "`momentum` must be >= 0.0 and < 1.0. Received: momentum=1.5".
+"""
+
+import inspect
+import math
 import numbers
 
 
@@ -11,3 +17,54 @@ def is_real(value):
 def is_int(value):
     """An integer (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_number(name, value, *, low=None, low_inclusive=True, high=None):
+    """A finite real in the given range, returned as a float."""
+    rule = []
+    if low is not None:
+        rule.append(f"{'>=' if low_inclusive else '>'} {low}")
+    if high is not None:
+        rule.append(f"< {high}")
+    rule_text = " and ".join(rule) if rule else "finite"
+    if not is_real(value) or not math.isfinite(value):
+        raise ValueError(
+            f"`{name}` must be a finite number {rule_text}. Received: {name}={value!r}"
+        )
+    too_low = low is not None and (value < low if low_inclusive else value <= low)
+    too_high = high is not None and value >= high
+    if too_low or too_high:
+        raise ValueError(f"`{name}` must be {rule_text}. Received: {name}={value!r}")
+    return float(value)
+
+
+def check_bool(name, value):
+    """A Python bool, returned unchanged."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool. Received: {name}={value!r}")
+    return value
+
+
+def check_choice(name, value, choices):
+    """One of `choices` (strings), returned unchanged."""
+    if value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {list(choices)}. Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_config_keys(cls, config):
+    """Raises `ValueError` if `config` has a key `cls.__init__` does not take.
+
+    Used by `from_config`, so that a typo in a hand-written config fails
+    loudly instead of disappearing into `**kwargs`.
+    """
+    known = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        received = {key: config[key] for key in unknown}
+        raise ValueError(
+            f"Unknown key(s) in {cls.__name__} config: {unknown}. "
+            f"Received: {received}. Valid keys: {sorted(known)}"
+        )

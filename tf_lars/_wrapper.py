@@ -22,6 +22,26 @@ def all_finite(gradients):
     return tf.reduce_all(tf.stack(checks))
 
 
+def gradient_as_tensor(gradient):
+    """`gradient` as a tensor, or as `tf.IndexedSlices` of tensors.
+
+    Python lists, NumPy arrays and tuple indices (as in
+    `tf.IndexedSlices(values, (0, 2, 4), (5, 10))`) are converted, so that a
+    compiled step sees one signature per variable list instead of re-tracing
+    (or failing to trace) on every call. `None` stays `None`.
+    """
+    if gradient is None or isinstance(gradient, tf.Tensor):
+        return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+        dense_shape = gradient.dense_shape
+        return tf.IndexedSlices(
+            tf.convert_to_tensor(gradient.values),
+            tf.convert_to_tensor(gradient.indices),
+            None if dense_shape is None else tf.convert_to_tensor(dense_shape),
+        )
+    return tf.convert_to_tensor(gradient)
+
+
 class InnerOptimizerWrapper:
     """Mixin for optimizers built around an `inner_optimizer`.
 

@@ -1,13 +1,21 @@
-"""Accumulated Gradient Normalization (Hermans, Spanakis, Möckel 2017)."""
+"""Accumulated Gradient Normalization (Hermans, Spanakis, Möckel 2017).
+
+`AGN` is the public optimizer. In one process it holds every role; under
+`tf.distribute.ParameterServerStrategy` it holds the center side only (see
+the class docstring) and `tf_lars.distribute` adds the worker side. The
+module-level helpers below are shared with `tf_lars.distribute.ps_agn`.
+"""
 
 import numbers
 
 import keras
 import tensorflow as tf
-from keras.src.utils import tracking
 
+from tf_lars._exclusions import mark_stand_in
+from tf_lars._internals import no_automatic_dependency_tracking
 from tf_lars._wrapper import InnerOptimizerWrapper, all_finite
-from tf_lars.lars import SOURCE_PATH_ATTRIBUTE
+
+__all__ = ["AGN"]
 
 # Base-optimizer arguments that belong on the inner optimizer. Only their
 # defaults are accepted, so that configs written by other tools still load.
@@ -25,18 +33,18 @@ _BASE_DEFAULTS = {
 }
 
 
-def _is_loss_scale_optimizer(optimizer):
+def is_loss_scale_optimizer(optimizer):
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-def _unwrap_loss_scale(optimizer):
+def unwrap_loss_scale(optimizer):
     """The optimizer that applies unscaled gradients."""
-    if _is_loss_scale_optimizer(optimizer):
+    if is_loss_scale_optimizer(optimizer):
         return optimizer.inner_optimizer
     return optimizer
 
 
-def _clone(optimizer, suffix, drop_loss_scale_factor=False):
+def clone_optimizer(optimizer, suffix, drop_loss_scale_factor=False):
     """A fresh optimizer with `optimizer`'s hyperparameters and no state."""
     config = optimizer.get_config()
     config["name"] = f"{optimizer.name}_{suffix}"
@@ -45,8 +53,20 @@ def _clone(optimizer, suffix, drop_loss_scale_factor=False):
     return optimizer.__class__.from_config(config)
 
 
-def _is_parameter_server_strategy(strategy):
-    return isinstance(strategy, tf.distribute.ParameterServerStrategy)
+def as_gradient(gradient):
+    """`gradient` as tensors: Python lists and tuples (also the indices and
+    dense shape of a hand-made `tf.IndexedSlices`) become tensors, so that
+    compiled inner steps see the same signature at every call."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        dense_shape = gradient.dense_shape
+        return tf.IndexedSlices(
+            tf.convert_to_tensor(gradient.values),
+            tf.convert_to_tensor(gradient.indices),
+            None if dense_shape is None else tf.convert_to_tensor(dense_shape),
+        )
+    return tf.convert_to_tensor(gradient)
 
 
 def _map_values(gradient, fn):
@@ -57,30 +77,68 @@ def _map_values(gradient, fn):
     return fn(gradient)
 
 
-class _State:
-    """Which variables play which role. Deliberately not trackable.
+def local_step(writer, local_optimizer, local_variables, accumulators, grads):
+    """One local step and its unscaled gradient added to the accumulators.
 
-    Single worker: `local` are the model's variables, `center` and
-    `accumulators` are optimizer variables, `local_optimizer` is the user's
-    inner optimizer and `center_optimizer` a fresh copy of it.
+    Args:
+        writer: the `keras.optimizers.Optimizer` whose `assign_add` writes
+            the accumulators.
+        local_optimizer: applies the step to `local_variables`.
+        local_variables: list of variables.
+        accumulators: list of variables, one per local variable.
+        grads: list, one gradient (or None) per local variable, of
+            `local_optimizer.scale_loss(loss)`.
 
-    Parameter servers: `center` are the model's variables (on the parameter
-    servers), `local` and `accumulators` are worker-local variables,
-    `center_optimizer` is the user's inner optimizer (slots on the parameter
-    servers) and `local_optimizer` a fresh copy whose slots are worker-local.
-    Worker-local variables are never checkpointed, so this holder keeps them
-    out of the object graph.
+    Returns:
+        A scalar bool tensor: whether the step was applied.
+    """
+    grads = [as_gradient(g) for g in grads]
+    if len(grads) != len(local_variables):
+        raise ValueError(
+            f"`grads` must have one entry per local variable "
+            f"({len(local_variables)}). Received {len(grads)}."
+        )
+    if is_loss_scale_optimizer(local_optimizer):
+        finite = all_finite(grads)
+        scale = tf.convert_to_tensor(local_optimizer.scale_loss(1.0))
+    else:
+        finite = tf.constant(True)
+        scale = local_optimizer.scale_loss(1.0)
+    pairs = [(g, v) for g, v in zip(grads, local_variables) if g is not None]
+    if pairs:
+        local_optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+    for accumulator, grad in zip(accumulators, grads):
+        if grad is None:
+            continue
+        if not (isinstance(scale, float) and scale == 1.0):
+            grad = _map_values(grad, lambda g: g / tf.cast(scale, g.dtype))
+        grad = _map_values(grad, lambda g: tf.where(finite, g, tf.zeros_like(g)))
+        writer.assign_add(accumulator, grad)
+    return finite
+
+
+def reset(writer, local_variables, center_variables, accumulators):
+    """`local <- center`, `accumulators <- 0`, written through `writer`."""
+    for local, center in zip(local_variables, center_variables):
+        writer.assign(local, center)
+    for accumulator in accumulators:
+        writer.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
+
+
+def normalized(accumulators, period):
+    """The commit's gradients: each accumulator divided by the period."""
+    return [tf.convert_to_tensor(a) / tf.cast(period, a.dtype) for a in accumulators]
+
+
+class _Untracked:
+    """Holds lists of variables out of the checkpoint's object graph.
+
+    The copies it holds are checkpointed once, as optimizer variables; a
+    tracked list would add a second path to them.
     """
 
-    def __init__(
-        self, local, center, accumulators, local_optimizer, center_optimizer, lock
-    ):
-        self.local = list(local)
-        self.center = list(center)
-        self.accumulators = list(accumulators)
-        self.local_optimizer = local_optimizer
-        self.center_optimizer = center_optimizer
-        self.lock = lock
+    def __init__(self, **values):
+        self.__dict__.update(values)
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -110,15 +168,17 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     * **Parameter servers** (`tf.distribute.ParameterServerStrategy`): create
       the model and the `AGN` under `strategy.scope()` and train with
       `tf_lars.distribute.ParameterServerTrainer`. The model's variables are
-      the center (on the parameter servers, checkpointed with the inner
-      optimizer's state); each worker holds its own local copy, accumulators
-      and inner-optimizer slots (worker-local, never checkpointed). A commit
-      runs the inner optimizer on the parameter servers inside a
-      `tf.CriticalSection`, so concurrent commits from several workers are
-      applied one at a time with `tf.Variable` ops (as the seed's
+      the center (on the parameter servers); this object holds the
+      center-side state, checkpointed with the model: the inner optimizer's
+      slots (on the center) and the commit counter. The trainer adds the
+      worker side (`tf_lars.distribute.ParameterServerAGN`): each worker's
+      local copy, accumulators and inner-optimizer slots (worker-local, never
+      checkpointed), and commits that run the inner optimizer on the
+      parameter servers inside a `tf.CriticalSection`, so concurrent commits
+      from several workers are applied one at a time (as the seed's
       `use_locking=True`): none is lost, and the commit counter is exact.
-      Under this strategy the trainer calls `pull`, `local_update` and
-      `commit`; `apply` raises.
+      Under this strategy `apply`, `local_update`, `pull` and `commit` of
+      this class raise.
 
     If the inner optimizer is a loss-scale optimizer, gradients are unscaled
     before they are accumulated, a skipped (non-finite) step adds nothing and
@@ -202,28 +262,32 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             )
         self.inner_optimizer = inner_optimizer
         self.communication_period = int(communication_period)
-        self._parameter_server = _is_parameter_server_strategy(
-            self._distribution_strategy
+        # The strategy in scope at creation, as Keras records it for itself.
+        self._strategy = tf.distribute.get_strategy()
+        self._parameter_server = isinstance(
+            self._strategy, tf.distribute.ParameterServerStrategy
         )
+        # Set by `build`: `_Untracked` lists of the variables of each role.
+        self._roles = None
 
     # ------------------------------------------------------------------ build
-    @tracking.no_automatic_dependency_tracking
+    @no_automatic_dependency_tracking
     def build(self, var_list):
         if self.built:
             return
         var_list = list(var_list)
         # Keras may build inside the first traced train step; the state (and
-        # the copies of the inner optimizer, made from its config) is created
+        # the copy of the inner optimizer, made from its config) is created
         # eagerly all the same.
         with tf.init_scope():
             if self._parameter_server:
-                self._build_parameter_server(var_list)
+                self._build_center_side(var_list)
             else:
-                self._build_single_worker(var_list)
+                self._build_one_process(var_list)
         super().build(var_list)
 
-    def _check_strategy(self):
-        strategy = self._distribution_strategy
+    def _build_one_process(self, var_list):
+        strategy = self._strategy
         if strategy.num_replicas_in_sync != 1 or isinstance(
             strategy,
             tf.distribute.MirroredStrategy | tf.distribute.MultiWorkerMirroredStrategy,
@@ -235,11 +299,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 f"Received: {type(strategy).__name__} with "
                 f"{strategy.num_replicas_in_sync} replicas."
             )
-
-    def _build_single_worker(self, var_list):
-        self._check_strategy()
         centers = [
-            _stand_in_for(
+            mark_stand_in(
                 self.add_variable_from_reference(
                     variable, name="agn_center", initializer=_copy_of(variable)
                 ),
@@ -254,8 +315,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         self._commits = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="commits"
         )
-        center_optimizer = _clone(
-            _unwrap_loss_scale(self.inner_optimizer),
+        center_optimizer = clone_optimizer(
+            unwrap_loss_scale(self.inner_optimizer),
             "center",
             drop_loss_scale_factor=True,
         )
@@ -263,69 +324,42 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         self.inner_optimizer.build(var_list)
         # Tracked attribute: the center optimizer's slots are checkpointed.
         self._center_optimizer = center_optimizer
-        self._state = _State(
-            var_list,
-            centers,
-            accumulators,
-            self.inner_optimizer,
-            center_optimizer,
-            None,
+        # Keras passes its variables, a custom loop may pass their tf.Variables.
+        index = {id(v): i for i, v in enumerate(var_list)}
+        index.update(
+            (id(v.value), i)
+            for i, v in enumerate(var_list)
+            if isinstance(v, keras.Variable)
+        )
+        self._roles = _Untracked(
+            model=var_list, centers=centers, accumulators=accumulators, index=index
         )
 
-    def _build_parameter_server(self, var_list):
-        from tf_lars.distribute import _per_worker
-
-        strategy = self._distribution_strategy
-        if tf.distribute.has_strategy():
-            raise ValueError(
-                "Under ParameterServerStrategy, build AGN outside "
-                "`strategy.scope()` (tf_lars.distribute.ParameterServerTrainer "
-                "does): its worker-local variables must not be placed on the "
-                "parameter servers."
-            )
-        inner_strategy = getattr(self.inner_optimizer, "_distribution_strategy", None)
-        if inner_strategy is not strategy:
+    def _build_center_side(self, var_list):
+        strategy = self._strategy
+        for variable in var_list:
+            if not isinstance(variable, keras.Variable):
+                raise ValueError(
+                    "Under ParameterServerStrategy AGN expects the model's "
+                    f"Keras variables. Received: {variable!r}"
+                )
+        # The inner optimizer's own state (created with it) must be on the
+        # parameter servers too, i.e. it was created under the same scope.
+        device = tf.DeviceSpec.from_string(self.inner_optimizer.iterations.value.device)
+        if device.job != "ps":
             raise ValueError(
                 "`inner_optimizer` must be created under the same "
                 "`strategy.scope()` as AGN, so that its state lives on the "
                 "parameter servers. Received: inner_optimizer="
-                f"{self.inner_optimizer!r} created under "
-                f"{type(inner_strategy).__name__}, AGN under "
-                f"{type(strategy).__name__}."
-            )
-        for variable in var_list:
-            if isinstance(variable, keras.Variable):
-                continue
-            raise ValueError(
-                "Under ParameterServerStrategy AGN expects the model's Keras "
-                f"variables. Received: {variable!r}"
+                f"{self.inner_optimizer!r} with its state on "
+                f"{device.to_string() or 'this process'}."
             )
         with strategy.scope():
             self._commits = self.add_variable(
                 shape=(), dtype="int64", initializer="zeros", name="commits"
             )
             self.inner_optimizer.build(var_list)
-            # Commits from different workers are serialized at the parameter
-            # server holding the first variable; the lock waits for the
-            # gradients to arrive, so a worker dying mid-push cannot hold it.
-            with tf.device(var_list[0].value.device):
-                lock = tf.CriticalSection(name=f"{self.name}_commit")
-        with _per_worker.worker_local_scope(strategy):
-            with keras.name_scope(self.name, caller=self):
-                local = [
-                    _stand_in_for(_worker_variable(v, "local"), v) for v in var_list
-                ]
-                accumulators = [_worker_variable(v, "accumulator") for v in var_list]
-                local_optimizer = _clone(self.inner_optimizer, "local")
-                local_optimizer.build(local)
-        self._state = _State(
-            local,
-            var_list,
-            accumulators,
-            local_optimizer,
-            _unwrap_loss_scale(self.inner_optimizer),
-            lock,
-        )
+        self._roles = _Untracked(model=var_list, centers=var_list)
 
     # ------------------------------------------------------------- read-outs
     @property
@@ -336,7 +370,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def local_steps(self):
-        """Local steps taken so far (int64).
+        """Local steps taken so far, an int64 `keras.Variable`.
 
         One process: steps applied since the start (a skipped non-finite step
         does not count). Parameter servers: local steps committed by all
@@ -346,33 +380,44 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def local_variables(self):
-        """The variables the local steps update (see the class docstring)."""
-        self._require_built("local_variables")
-        return list(self._state.local)
+        """The variables the local steps update: the model's variables.
+
+        One process only; under parameter servers the local copies are
+        worker-local (`tf_lars.distribute.ParameterServerAGN`).
+        """
+        self._require_one_process("local_variables")
+        return list(self._roles.model)
 
     @property
     def center_variables(self):
         """The variables the commits update (see the class docstring)."""
         self._require_built("center_variables")
-        return list(self._state.center)
+        return list(self._roles.centers)
 
     @property
     def accumulators(self):
-        """The gradient accumulators, one per variable."""
-        self._require_built("accumulators")
-        return list(self._state.accumulators)
+        """The gradient accumulators, one per variable (one process only)."""
+        self._require_one_process("accumulators")
+        return list(self._roles.accumulators)
 
     @property
     def local_optimizer(self):
-        """The optimizer instance that applies local steps."""
-        self._require_built("local_optimizer")
-        return self._state.local_optimizer
+        """The optimizer that applies local steps (one process only)."""
+        self._require_one_process("local_optimizer")
+        return self.inner_optimizer
 
     @property
     def center_optimizer(self):
-        """The optimizer instance that applies commits to the center."""
+        """The optimizer instance that applies commits to the center.
+
+        One process: a copy of the inner optimizer (without loss scaling).
+        Parameter servers: the inner optimizer itself (without loss scaling),
+        whose slots live on the parameter servers.
+        """
         self._require_built("center_optimizer")
-        return self._state.center_optimizer
+        if self._parameter_server:
+            return unwrap_loss_scale(self.inner_optimizer)
+        return self._center_optimizer
 
     @property
     def is_parameter_server(self):
@@ -386,11 +431,22 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 "`optimizer.build(model.trainable_variables)` first."
             )
 
+    def _require_one_process(self, what):
+        self._require_built(what)
+        if self._parameter_server:
+            raise ValueError(
+                f"Under ParameterServerStrategy AGN is driven round by round "
+                "(`pull`, `local_update` x communication_period, `commit`) by "
+                "`tf_lars.distribute.ParameterServerTrainer`, which holds the "
+                f"worker-local state (`trainer.ps_agn`); `{what}` is for the "
+                "one-process mode."
+            )
+
     @property
     def variables(self):
-        variables = self._variables + self.inner_optimizer.variables
+        variables = super().variables + self.inner_optimizer.variables
         if self.built and not self._parameter_server:
-            variables += self._state.center_optimizer.variables
+            variables += self._center_optimizer.variables
         return variables
 
     @property
@@ -412,11 +468,9 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             )
         self.inner_optimizer.learning_rate = learning_rate
         if self.built:
-            self._state.center_optimizer.learning_rate = learning_rate
+            self._center_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
-        if self.built:
-            return self._state.local_optimizer.scale_loss(loss)
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
@@ -426,7 +480,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         """One local step; commits when `communication_period` steps are done.
 
-        Single-worker mode only. `grads` are gradients of `scale_loss(loss)`.
+        One-process mode only. `grads` are gradients of `scale_loss(loss)`.
         """
         grads = list(grads)
         if not grads:
@@ -438,36 +492,41 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                     "optimizer must already be built. Call "
                     "`optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = self._roles.model
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(trainable_variables)
-        if self._parameter_server:
-            raise ValueError(
-                "Under ParameterServerStrategy AGN is driven round by round "
-                "(`pull`, `local_update` x communication_period, `commit`) by "
-                "`tf_lars.distribute.ParameterServerTrainer`; `apply` is for "
-                "the one-process mode."
-            )
-        full = [None] * len(self._state.local)
+        self._require_one_process("apply")
+        full = [None] * len(self._roles.model)
         for grad, variable in zip(grads, trainable_variables, strict=True):
-            full[self._get_variable_index(variable)] = grad
+            full[self._index_of(variable)] = grad
         finite = self.local_update(full)
-        step = self._iterations.value.assign_add(
-            tf.cast(finite, self._iterations.dtype)
-        )
+        steps = self.local_steps
+        self.assign_add(steps, tf.cast(finite, steps.dtype))
+        step = tf.convert_to_tensor(steps)
         due = tf.logical_and(finite, tf.equal(step % self.communication_period, 0))
-        tf.cond(due, self._commit_single_worker, lambda: tf.constant(False))
+        tf.cond(due, self._commit_and_pull, lambda: tf.constant(False))
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
         self.apply(grads, trainable_variables)
-        return self._iterations
+        return self.local_steps
+
+    def _index_of(self, variable):
+        index = self._roles.index.get(id(variable))
+        if index is None:
+            raise ValueError(
+                "`trainable_variables` must be variables this optimizer was "
+                f"built with. Received: {variable!r}"
+            )
+        return index
 
     def local_update(self, grads):
         """Applies one local step and accumulates its unscaled gradient.
+
+        One-process mode only.
 
         Args:
             grads: list, one gradient (or `None`) per entry of
@@ -478,98 +537,35 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             unless the inner optimizer is a loss-scale optimizer that skipped
             a non-finite step).
         """
-        self._require_built("local_update")
-        state = self._state
-        grads = list(grads)
-        if len(grads) != len(state.local):
-            raise ValueError(
-                f"`grads` must have one entry per local variable "
-                f"({len(state.local)}). Received {len(grads)}."
-            )
-        if _is_loss_scale_optimizer(state.local_optimizer):
-            finite = all_finite(grads)
-            scale = tf.convert_to_tensor(state.local_optimizer.scale_loss(1.0))
-        else:
-            finite = tf.constant(True)
-            scale = state.local_optimizer.scale_loss(1.0)
-        unscaled = []
-        for grad in grads:
-            if grad is None or (isinstance(scale, float) and scale == 1.0):
-                unscaled.append(grad)
-            else:
-                unscaled.append(
-                    _map_values(grad, lambda g: g / tf.cast(scale, g.dtype))
-                )
-        pairs = [(g, v) for g, v in zip(grads, state.local) if g is not None]
-        if pairs:
-            state.local_optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        for accumulator, grad in zip(state.accumulators, unscaled):
-            if grad is None:
-                continue
-            grad = _map_values(grad, lambda g: tf.where(finite, g, tf.zeros_like(g)))
-            self.assign_add(accumulator, grad)
-        return finite
+        self._require_one_process("local_update")
+        roles = self._roles
+        return local_step(
+            self, self.inner_optimizer, roles.model, roles.accumulators, list(grads)
+        )
 
     def pull(self):
         """Resets the local copy to the center and the accumulators to zero."""
-        self._require_built("pull")
-        state = self._state
-        for local, center in zip(state.local, state.center):
-            self.assign(local, center)
-        for accumulator in state.accumulators:
-            self.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
+        self._require_one_process("pull")
+        roles = self._roles
+        reset(self, roles.model, roles.centers, roles.accumulators)
 
     def commit(self):
-        """Applies the accumulated gradient / period to the center.
+        """Applies the accumulated gradient / period to the center, then pulls.
 
-        Single worker: also pulls the new center (the seed's commit).
-        Parameter servers: serialized with the other workers' commits at the
-        parameter server; the next round starts with `pull`.
+        One-process mode only.
 
         Returns:
             The number of commits after this one, an int64 scalar tensor.
         """
-        self._require_built("commit")
-        if not self._parameter_server:
-            self._commit_single_worker()
-            return tf.convert_to_tensor(self._commits.value)
-        state = self._state
-        period = self.communication_period
-        # Read and normalized on the worker: one tensor per variable travels.
-        grads = [
-            tf.convert_to_tensor(a) / tf.cast(period, a.dtype)
-            for a in state.accumulators
-        ]
+        self._require_one_process("commit")
+        self._commit_and_pull()
+        return tf.convert_to_tensor(self._commits)
 
-        def critical():
-            state.center_optimizer.apply(grads, state.center)
-            # The lock is released once the returned tensors exist; reading
-            # every center-side variable makes the whole update part of them.
-            done = [
-                tf.convert_to_tensor(v)
-                for v in state.center + state.center_optimizer.variables
-            ]
-            with tf.control_dependencies(done):
-                steps = self._iterations.value.assign_add(
-                    tf.constant(period, self._iterations.dtype), read_value=True
-                )
-                commits = self._commits.value.assign_add(
-                    tf.constant(1, tf.int64), read_value=True
-                )
-            return commits, steps
-
-        commits, _ = state.lock.execute(critical)
-        return commits
-
-    def _commit_single_worker(self):
-        state = self._state
-        period = self.communication_period
-        grads = [
-            tf.convert_to_tensor(a) / tf.cast(period, a.dtype)
-            for a in state.accumulators
-        ]
-        state.center_optimizer.apply(grads, state.center)
-        self._commits.value.assign_add(tf.constant(1, tf.int64))
+    def _commit_and_pull(self):
+        roles = self._roles
+        grads = normalized(roles.accumulators, self.communication_period)
+        self._center_optimizer.apply(grads, roles.centers)
+        self.assign_add(self._commits, tf.constant(1, tf.int64))
         self.pull()
         return tf.constant(True)
 
@@ -579,34 +575,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         )
 
 
-def _stand_in_for(copy, reference):
-    """Marks `copy` as standing in for the model variable `reference`.
-
-    The center and local copies have paths of their own; the mark lets an
-    inner `tf_lars.LARS` resolve exclusions (regexes on `variable.path`)
-    against the model variable's path, as for the model's own optimizer.
-    """
-    path = getattr(reference, SOURCE_PATH_ATTRIBUTE, None) or getattr(
-        reference, "path", None
-    )
-    if path is not None:
-        setattr(copy, SOURCE_PATH_ATTRIBUTE, path)
-    return copy
-
-
 def _copy_of(variable):
     def initializer(shape, dtype=None):
         return tf.cast(tf.convert_to_tensor(variable), dtype or variable.dtype)
 
     return initializer
-
-
-def _worker_variable(reference, role):
-    name = reference.path.replace("/", "_") if hasattr(reference, "path") else "var"
-    return keras.Variable(
-        initializer="zeros",
-        shape=reference.shape,
-        dtype=reference.dtype,
-        trainable=False,
-        name=f"{name}_{role}",
-    )

@@ -7,7 +7,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars._wrapper import InnerOptimizerWrapper, all_finite
+from tf_lars import _internals
+from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
 
 # The scale lives in a float32 variable. Doubling past the largest float32
 # would make it inf (every later step non-finite, the scale stuck at inf) and
@@ -237,7 +238,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         `grads` are gradients of `scale_loss(loss)`. Call in replica context
         (eagerly, in a `tf.function`, or inside `strategy.run`).
         """
-        grads = list(grads)
+        grads = [gradient_as_tensor(g) for g in grads]
         if len(grads) == 0:
             return
         if trainable_variables is not None:
@@ -260,7 +261,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         # before branching, or one replica's inf would reach the variables
         # through the others' summed gradient.
         non_finite = tf.cast(tf.logical_not(self.check_finite(grads)), tf.float32)
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if _internals.strategy_supports_no_merge_call():
             context = tf.distribute.get_replica_context()
             if context.num_replicas_in_sync > 1:
                 non_finite = context.all_reduce(tf.distribute.ReduceOp.SUM, non_finite)
@@ -322,13 +323,14 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
     def _count_finite_step(self):
         def grow():
             doubled = self.dynamic_scale.value * 2.0
-            self.step_counter.assign(0)
-            self.dynamic_scale.assign(
-                tf.where(doubled <= _MAX_SCALE, doubled, self.dynamic_scale.value)
+            self.assign(self.step_counter, 0)
+            self.assign(
+                self.dynamic_scale,
+                tf.where(doubled <= _MAX_SCALE, doubled, self.dynamic_scale.value),
             )
 
         def count():
-            self.step_counter.assign_add(1)
+            self.assign_add(self.step_counter, 1)
 
         tf.cond(
             tf.equal(self.step_counter.value, self.dynamic_growth_steps - 1),
@@ -337,11 +339,12 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         )
 
     def _skip_step(self):
-        self.skipped_step_counter.assign_add(1)
+        self.assign_add(self.skipped_step_counter, 1)
         if self.dynamic:
-            self.step_counter.assign(0)
-            self.dynamic_scale.assign(
-                tf.maximum(self.dynamic_scale.value * 0.5, _MIN_SCALE)
+            self.assign(self.step_counter, 0)
+            self.assign(
+                self.dynamic_scale,
+                tf.maximum(self.dynamic_scale.value * 0.5, _MIN_SCALE),
             )
 
     def get_config(self):

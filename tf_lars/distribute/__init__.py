@@ -4,7 +4,12 @@
   (no TensorFlow import, so errors come before any work).
 - `serve`, `connect`, `in_process_cluster`: start tasks and the coordinator.
 - `ParameterServerTrainer`, `ParameterServerFailure`: the AGN training loop.
-- `python -m tf_lars.distribute.launch`: a local multi-process cluster.
+- `ParameterServerAGN`: the worker side of a `tf_lars.AGN` (the trainer's).
+- `python -m tf_lars.distribute.launch`: a local multi-process cluster that
+  runs a training script (`-- examples/agn_digits.py ...`) or `-m module`.
+
+Imports only downward: this package uses `tf_lars` (core); core never
+imports it.
 
 TensorFlow is imported lazily, on first use of a name that needs it.
 """
@@ -16,11 +21,13 @@ _LAZY = {
     "connect": "tf_lars.distribute.cluster",
     "in_process_cluster": "tf_lars.distribute.cluster",
     "pick_free_port": "tf_lars.distribute.cluster",
+    "ParameterServerAGN": "tf_lars.distribute.ps_agn",
     "ParameterServerTrainer": "tf_lars.distribute.trainer",
     "ParameterServerFailure": "tf_lars.distribute.trainer",
 }
 
 __all__ = [
+    "ParameterServerAGN",
     "ParameterServerFailure",
     "ParameterServerTrainer",
     "TFConfig",

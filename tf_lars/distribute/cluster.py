@@ -3,7 +3,7 @@
 The same program runs on every task of a cluster; `TF_CONFIG` says which
 task it is. Workers and parameter servers only serve (`serve`), the chief
 builds the strategy and the coordinator (`connect`) and runs the training
-loop (see `tf_lars/distribute/train_example.py`).
+loop (see `examples/agn_digits.py`).
 
 TensorFlow's gRPC servers have no authentication and listen on every network
 interface of their machine, whatever host name the cluster spec gives: anyone

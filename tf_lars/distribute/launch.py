@@ -3,10 +3,12 @@
 Usage:
 
     python -m tf_lars.distribute.launch --workers 2 --ps 1 -- \\
-        tf_lars.distribute.train_example --steps-per-worker 300
+        examples/agn_digits.py --steps-per-worker 300
 
-Everything after `--` is the training program: a module (run with
-`python -m`) or a `.py` script, followed by its arguments. The launcher
+Everything after `--` is the training program, followed by its arguments:
+a script path (`examples/agn_digits.py`; anything that ends in `.py`, names
+an existing file or contains a path separator), `-m some.module`, or a bare
+module name (run with `python -m`). The launcher
 starts one process per task (1 chief, `--workers` workers, `--ps` parameter
 servers), each with its own `TF_CONFIG`, writes each task's output to
 `<log-dir>/<type>-<index>.log` (the chief's is also echoed here), and prints
@@ -188,14 +190,20 @@ def _describe_exit(code):
     return f"status {code}"
 
 
+_PROGRAM_HELP = (
+    "give the training program after `--`: a script path or `-m module`, "
+    "then its arguments, e.g. `-- examples/agn_digits.py --steps-per-worker 300`"
+)
+
+
 def _program_command(program, python):
-    if not program:
-        raise SystemExit(
-            "error: give the training program after `--`, e.g. "
-            "`-- tf_lars.distribute.train_example --steps-per-worker 300`"
-        )
+    """The command of each task: `python script args` or `python -m module args`."""
+    if not program or program == ["-m"]:
+        raise SystemExit(f"error: {_PROGRAM_HELP}")
     head, *rest = program
-    if head.endswith(".py"):
+    if head == "-m":
+        return [python, "-m", *rest]
+    if head.endswith(".py") or os.sep in head or os.path.isfile(head):
         return [python, head, *rest]
     return [python, "-m", head, *rest]
 
@@ -254,8 +262,8 @@ def build_parser():
             "parameter servers) as local processes, each with its own TF_CONFIG."
         ),
         epilog=(
-            "Everything after `--` is the training module or .py script and its "
-            "arguments."
+            "Everything after `--` is the training program and its arguments: a "
+            "script path, `-m module`, or a module name."
         ),
     )
     parser.add_argument(

@@ -4,10 +4,13 @@ Keras 3 `model.fit` does not support `ParameterServerStrategy`, so this is
 the training loop: it runs on the chief, schedules AGN rounds on the workers
 through `tf.distribute.coordinator.ClusterCoordinator`, reports progress,
 checkpoints, evaluates, and turns a lost parameter server into a clear error.
+The AGN itself keeps the checkpointed center side; the trainer wraps it in a
+`ParameterServerAGN` for the worker side.
 """
 
 import contextlib
 import logging
+import os
 import re
 import time
 
@@ -15,7 +18,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_lars import _internals
 from tf_lars.agn import AGN
+from tf_lars.distribute.ps_agn import ParameterServerAGN
 
 
 class ParameterServerFailure(RuntimeError):
@@ -52,7 +57,18 @@ class ParameterServerFailure(RuntimeError):
         )
 
 
+# Where TensorFlow's errors leave no choice but their text. A lost task is
+# recognized by the error's type (its status code), as TensorFlow's own
+# coordinator does; only the message says *which* task was lost: the task name
+# when the error was raised by the remote task, else the address it could not
+# reach. The same holds for the coordinator's worker events, which are only
+# log records (the coordinator reschedules a failed worker's closures itself
+# and tells the caller nothing else).
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+_WORKER_EVENT = re.compile(
+    r"Worker (/job:worker/replica:\d+/task:\d+) "
+    r"(?:failed with (\w+)|has been (recovered))"
+)
 
 
 def _error_chain(error):
@@ -68,16 +84,15 @@ def _error_chain(error):
 
 
 def _is_connection_error(error):
-    # The kinds of error TensorFlow's coordinator itself treats as a lost
-    # task (see cluster_coordinator._is_ps_failure).
     if isinstance(error, tf.errors.UnavailableError | tf.errors.AbortedError):
         return True
-    if isinstance(error, tf.errors.InvalidArgumentError):
-        text = str(error)
-        return "unknown device" in text.lower() or (
-            "Unable to find the relevant tensor remote_handle" in text
-        )
-    return False
+    # INVALID_ARGUMENT is also a plain bug; TensorFlow's coordinator counts
+    # these two messages of it as a lost task (a remote device or tensor gone).
+    text = str(error)
+    return isinstance(error, tf.errors.InvalidArgumentError) and (
+        "unknown device" in text.lower()
+        or "Unable to find the relevant tensor remote_handle" in text
+    )
 
 
 def _failed_ps_task(error, cluster):
@@ -94,13 +109,16 @@ def _failed_ps_task(error, cluster):
     match = _PS_TASK.search(text)
     if match:
         index = int(match.group(1))
-        address = addresses[index] if index < len(addresses) else None
-        return f"/job:ps/replica:0/task:{index}", address
-    for index, address in enumerate(addresses):
-        port = address.rsplit(":", 1)[-1]
-        if re.search(rf"[:\]]{port}\b", text):
-            return f"/job:ps/replica:0/task:{index}", address
-    return None
+    else:
+        ports = [a.rsplit(":", 1)[-1] for a in addresses]
+        index = next(
+            (i for i, p in enumerate(ports) if re.search(rf"[:\]]{p}\b", text)),
+            None,
+        )
+        if index is None:
+            return None
+    address = addresses[index] if index < len(addresses) else None
+    return f"/job:ps/replica:0/task:{index}", address
 
 
 class _WorkerEvents(logging.Filter):
@@ -111,11 +129,6 @@ class _WorkerEvents(logging.Filter):
     logger's previous level would have dropped anyway.
     """
 
-    _FAILED = re.compile(r"Worker (/job:worker/replica:0/task:\d+) failed with (\w+)")
-    _RECOVERED = re.compile(
-        r"Worker (/job:worker/replica:0/task:\d+) has been recovered"
-    )
-
     def __init__(self, log, previous_level):
         super().__init__()
         self._log = log
@@ -124,24 +137,22 @@ class _WorkerEvents(logging.Filter):
 
     def filter(self, record):
         try:
-            message = record.getMessage()
+            match = _WORKER_EVENT.search(record.getMessage())
         except Exception:  # noqa: BLE001 - a logging filter must not raise
             return True
-        for pattern, what in ((self._FAILED, "failed"), (self._RECOVERED, "recovered")):
-            match = pattern.search(message)
-            if not match:
-                continue
+        if match:
+            worker, error_name, recovered = match.groups()
             # The coordinator logs each event from more than one place.
-            key = (match.group(1), what, int(record.created))
+            key = (worker, bool(recovered), int(record.created))
             if key not in self._reported:
                 self._reported.add(key)
-                if what == "failed":
+                if recovered:
+                    self._log(f"[agn] worker {worker} recovered and rejoined")
+                else:
                     self._log(
-                        f"[agn] worker {match.group(1)} failed ({match.group(2)}); "
+                        f"[agn] worker {worker} failed ({error_name}); "
                         "its round is rescheduled, the other workers go on"
                     )
-                else:
-                    self._log(f"[agn] worker {match.group(1)} recovered and rejoined")
         return record.levelno >= self._previous_level
 
 
@@ -268,12 +279,14 @@ class ParameterServerTrainer:
         self._log = log or (lambda line: print(line, flush=True))
         self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         self._dataset_fn = dataset_fn
-        resolver = strategy.cluster_resolver or strategy._cluster_resolver
+        resolver = _internals.cluster_resolver_of(strategy)
         self._cluster = resolver.cluster_spec().as_dict()
         self.num_workers = len(self._cluster.get("worker", []))
 
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
+        #: The worker side of `optimizer` (`ParameterServerAGN`).
+        self.ps_agn = ParameterServerAGN(
+            optimizer, strategy, model_variables=model.trainable_variables
+        )
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
         self.manager = None
         self.restored_commits = 0
@@ -300,7 +313,7 @@ class ParameterServerTrainer:
         return dataset.repeat().batch(period, drop_remainder=True).prefetch(2)
 
     def _trace_round(self):
-        agn = self.optimizer
+        agn = self.ps_agn
         model = self.model
         loss_fn = self._loss
         period = agn.communication_period
@@ -381,18 +394,11 @@ class ParameterServerTrainer:
             ) from error
 
     def _last_checkpoint(self):
+        """`(path, commits)` of the latest checkpoint, or `(None, None)`."""
         if self.manager is None or not self.manager.latest_checkpoint:
             return None, None
         path = self.manager.latest_checkpoint
-        try:
-            commits = int(
-                tf.train.load_variable(
-                    path, "optimizer/_commits/.ATTRIBUTES/VARIABLE_VALUE"
-                )
-            )
-        except Exception:  # noqa: BLE001 - the number is informative only
-            commits = None
-        return path, commits
+        return path, checkpoint_commits(path)
 
     # ------------------------------------------------------------------- fit
     def fit(self, steps_per_worker=None, rounds=None):
@@ -503,14 +509,11 @@ class ParameterServerTrainer:
         Returns:
             list of int or None, one per worker.
         """
-        steps = []
-        iterations = self.optimizer.local_optimizer.iterations
-        for remote in iterations.value._per_worker_vars._values:
-            try:
-                steps.append(int(remote.get().numpy()))
-            except Exception:  # noqa: BLE001 - a failed worker reads as None
-                steps.append(None)
-        return steps
+        iterations = self.ps_agn.local_optimizer.iterations.value
+        return [
+            None if value is None else int(value)
+            for value in iterations.read_each_worker()
+        ]
 
     # -------------------------------------------------------------- evaluate
     def evaluate(self, x, y, batch_size=256):
@@ -552,3 +555,16 @@ class ParameterServerTrainer:
         if not np.isnan(total_correct):
             metrics["accuracy"] = total_correct / count
         return metrics
+
+
+def checkpoint_commits(path):
+    """The commit count of a trainer's checkpoint, from its path.
+
+    The trainer saves with `CheckpointManager.save(checkpoint_number=commits)`,
+    so the path ends in `-<commits>` (e.g. `/ckpt/ckpt-20`).
+
+    Returns:
+        int, or None for a path without that suffix.
+    """
+    _, _, number = os.path.basename(path).rpartition("-")
+    return int(number) if number.isdigit() else None

@@ -1,12 +1,15 @@
-"""`tf-lars sweep` (private): accuracy against batch size, SGD vs LARS.
+"""`tf-lars sweep`: accuracy against batch size, SGD vs LARS.
 
 For every batch size and every configured optimizer, the learning rate is
 scaled linearly from `sweep.base_batch_size` (`base_learning_rate * batch /
 base_batch_size`), then multiplied by each of `sweep.grid_factors` (the
 factor 1 is always run: it is the "linear" result). Each grid point is one
-`fit_once` run with the same model, seed, epochs and warm-up + polynomial
-decay schedule. Grid points run in parallel worker processes (spawned, so
-each has its own TensorFlow runtime, pinned to `cores // workers` threads).
+`build_trial` + `fit_once` run with the same model, seed, epochs and
+warm-up + polynomial decay schedule. Grid points run in parallel worker
+processes (spawned, so each has its own TensorFlow runtime, pinned to
+`cores // workers` threads); they inherit the parent's
+`TF_CPP_MIN_LOG_LEVEL` and import TensorFlow as quietly
+(`tf_lars.cli.import_tensorflow`).
 """
 
 import concurrent.futures
@@ -17,8 +20,7 @@ import os
 import sys
 import time
 
-from tf_lars._config import ConfigError, dump_config
-from tf_lars.schedules import linear_scaled_learning_rate
+from tf_lars.cli.config import ConfigError, dump_config, run_dir
 
 _WORKER_DATA = {}
 
@@ -31,7 +33,18 @@ def available_cores():
 
 
 def plan(config, num_train):
-    """The list of grid points (dicts) a validated sweep config asks for."""
+    """The grid points a validated sweep config asks for.
+
+    Returns:
+        `(batch_sizes, factors, tasks)`: sorted batch sizes (`full` resolved
+        to `num_train`), sorted learning-rate factors (1 included) and one
+        dict per training run.
+
+    Raises:
+        ConfigError: a batch size larger than the training set.
+    """
+    from tf_lars.schedules import linear_scaled_learning_rate
+
     batch_sizes = []
     for index, batch_size in enumerate(config["sweep"]["batch_sizes"]):
         if batch_size == "full":
@@ -67,25 +80,24 @@ def plan(config, num_train):
 
 
 def _init_worker(threads):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    from tf_lars.cli import import_tensorflow
 
+    tf = import_tensorflow()
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    # XLA's CPU backend sizes its own pool from this flag, not from the above.
     tf.get_logger().setLevel("ERROR")
 
 
 def run_task(config, task):
     """Trains one grid point; returns a JSON-able result dict."""
-    from tf_lars._cli_data import load_data
-    from tf_lars._cli_train import fit_once
+    from tf_lars.cli.data import load_data
+    from tf_lars.cli.train import build_trial, fit_once
 
     key = json.dumps(config["data"], sort_keys=True)
     if key not in _WORKER_DATA:
         _WORKER_DATA[key] = load_data(config["data"])
     data = _WORKER_DATA[key]
-    result = fit_once(
+    trial = build_trial(
         data,
         model_config=config["model"],
         optimizer_block=task["optimizer"],
@@ -94,6 +106,12 @@ def run_task(config, task):
         batch_size=task["batch_size"],
         epochs=config["training"]["epochs"],
         seed=config["seed"],
+    )
+    result = fit_once(
+        data,
+        trial,
+        batch_size=task["batch_size"],
+        epochs=config["training"]["epochs"],
         jit_compile=config["training"]["jit_compile"],
         verbose=0,
     )
@@ -255,10 +273,36 @@ def format_table(batch_sizes, labels, summary, epochs):
     return "\n".join([line(header), separator, *(line(r) for r in rows)])
 
 
+def run(config):
+    """`tf-lars sweep`: the whole sweep, into its run folder.
+
+    Args:
+        config: a validated sweep config (`tf_lars.cli.config.load_config`).
+
+    Returns:
+        The exit status, 0.
+
+    Raises:
+        ConfigError, DataError: before any file is written or process started.
+    """
+    run_sweep(config, run_dir(config, "sweep"))
+    return 0
+
+
 def run_sweep(config, run_dir, out=print):
-    """The whole sweep; writes results.json, table.md, sweep.png, config.yaml."""
-    from tf_lars._cli_data import load_data
-    from tf_lars._cli_plots import plot_sweep
+    """The whole sweep; writes results.json, table.md, sweep.png, config.yaml.
+
+    Args:
+        config: a validated sweep config.
+        run_dir: str, the folder to write.
+        out: callable printing one line.
+
+    Returns:
+        A dict: summary, results (one dict per run), table (Markdown), wall
+        (seconds).
+    """
+    from tf_lars.cli.data import load_data
+    from tf_lars.cli.plots import plot_sweep
 
     data = load_data(config["data"])
     batch_sizes, factors, tasks = plan(config, len(data.x_train))
@@ -270,11 +314,13 @@ def run_sweep(config, run_dir, out=print):
                 f"Received: label={entry['label']!r} twice"
             )
         labels.append(entry["label"])
-    # Fail on a bad model or optimizer config before starting any process.
-    from tf_lars._cli_train import build_model
-    from tf_lars._config import optimizer_from_block
+    # Fail on a bad model or optimizer config before starting any process:
+    # each optimizer block is deserialized once here (its only check; the
+    # workers build one optimizer per grid point from the same block).
+    from tf_lars.cli.config import optimizer_from_block
+    from tf_lars.cli.train import check_model_input
 
-    build_model(config["model"], data.x_train.shape[1:], data.num_classes)
+    check_model_input(config["model"], data.x_train.shape[1:])
     for index, entry in enumerate(config["optimizers"]):
         optimizer_from_block(
             entry["optimizer"],

@@ -1,4 +1,4 @@
-"""Optimizer step benchmarks: `python -m tf_lars.bench` or `tf-lars bench`.
+"""Optimizer step benchmarks: `tf-lars bench` or `python -m tf_lars.cli.bench`.
 
 Measures, in one process, the median step time of `tf_lars.LARS` against
 `keras.optimizers.SGD(momentum=0.9)` on ResNet-50's trainable variable shapes
@@ -14,8 +14,6 @@ import os
 import statistics
 import sys
 import time
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _median_seconds(step, repeats, warmup):
@@ -93,7 +91,7 @@ def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=
     import keras
 
     import tf_lars
-    from tf_lars import _norms
+    from tf_lars import _lars_fast
 
     results = {}
     contenders = {
@@ -111,8 +109,8 @@ def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=
         steps[name] = (step, grads, variables)
     if include_reference_norms:
         # The same LARS with each norm as one `reduce_sum(square(x))`: what
-        # `tf_lars._norms` replaces (its docstring says why).
-        _norms.FOLD_INTO_MATVEC = False
+        # `tf_lars._lars_fast` replaces (its docstring says why).
+        _lars_fast.FOLD_INTO_MATVEC = False
         try:
             variables, grads = _dense_problem(shapes)
             optimizer = tf_lars.LARS(0.1, momentum=0.9, weight_decay=1e-4)
@@ -124,7 +122,7 @@ def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=
                 variables,
             )
         finally:
-            _norms.FOLD_INTO_MATVEC = True
+            _lars_fast.FOLD_INTO_MATVEC = True
     # Interleave the timing so that drift in machine load hits both alike.
     samples = {name: [] for name in steps}
     rounds = 3
@@ -234,7 +232,15 @@ def _print_table(title, rows, baseline):
 
 
 def main(argv=None):
-    """Runs the benchmarks and prints their tables. Returns an exit code."""
+    """Runs the benchmarks and prints their tables.
+
+    Args:
+        argv: list of str, the arguments (see `--help`). Defaults to
+            `sys.argv[1:]`.
+
+    Returns:
+        The exit status, 0. A bad argument exits with status 2 (argparse).
+    """
     parser = argparse.ArgumentParser(
         prog="tf-lars bench", description="tf_lars optimizer step benchmarks."
     )
@@ -258,6 +264,12 @@ def main(argv=None):
     parser.add_argument(
         "--no-optax", action="store_true", help="skip optax even if installed"
     )
+    parser.add_argument(
+        "--tf-log",
+        action="store_true",
+        help="leave TensorFlow's C++ logging on (by default TF_CPP_MIN_LOG_LEVEL=3 "
+        "unless set in the environment)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error(
@@ -266,7 +278,10 @@ def main(argv=None):
         )
     parts = args.only or ["dense", "eager", "sparse"]
 
-    import tensorflow as tf
+    from tf_lars.cli import import_tensorflow, set_tensorflow_log_level
+
+    set_tensorflow_log_level(args.tf_log)
+    tf = import_tensorflow()
 
     print(
         f"tf_lars bench: TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores, "

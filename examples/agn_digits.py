@@ -1,23 +1,25 @@
 """Train a digits classifier with AGN on a parameter-server cluster.
 
 The same entry point runs on every task: `TF_CONFIG` decides whether this
-process serves (worker, ps) or coordinates (chief). Locally:
+process serves (worker, ps) or coordinates (chief). Locally, from the
+repository root:
 
     python -m tf_lars.distribute.launch --workers 2 --ps 1 -- \\
-        tf_lars.distribute.train_example --steps-per-worker 300
+        examples/agn_digits.py --steps-per-worker 300
 
 On a real cluster, set `TF_CONFIG` on each machine and run
-`python -m tf_lars.distribute.train_example ...` there.
+`python examples/agn_digits.py ...` there.
 
 The data is scikit-learn's `load_digits` (8x8 images, 10 classes, shipped
 with scikit-learn): 1437 training and 360 test images, a fixed split.
 """
 
 import argparse
+import contextlib
 import json
 import os
-import re
-import subprocess
+import socket
+import struct
 import sys
 
 from tf_lars.distribute import tf_config as tf_config_lib
@@ -25,7 +27,7 @@ from tf_lars.distribute import tf_config as tf_config_lib
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m tf_lars.distribute.train_example",
+        prog="python examples/agn_digits.py",
         description="AGN on ParameterServerStrategy: a digits classifier.",
     )
     parser.add_argument("--period", type=int, default=10, help="communication_period")
@@ -71,42 +73,127 @@ def load_digits_split():
     return x[:split], y[:split], x[split:], y[split:]
 
 
-def _ss(*args):
-    return subprocess.run(
-        ["ss", *args], capture_output=True, text=True, timeout=10, check=True
-    ).stdout
+# Linux sock_diag (netlink): the kernel's per-socket TCP counters, which is
+# what `ss -i` shows, read without running and parsing `ss`.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST_DUMP = 0x1 | 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_INET_DIAG_INFO = 2
+_TCP_ESTABLISHED, _TCP_LISTEN = 1, 10
+_TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received in struct tcp_info
+_HEADER = "=IHHII"  # struct nlmsghdr
+
+
+def _tcp_sockets(family):
+    """Yields `(state, local port, inode, bytes received or None)` for every
+    TCP socket of `family` in this network namespace."""
+    request = struct.pack(
+        "=BBBBI",
+        family,
+        socket.IPPROTO_TCP,
+        1 << (_INET_DIAG_INFO - 1),
+        0,
+        ~0 & 0xFFFFFFFF,
+    ) + bytes(48)  # struct inet_diag_req_v2 with an empty inet_diag_sockid
+    header = struct.pack(
+        _HEADER, 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST_DUMP, 1, 0
+    )
+    with socket.socket(
+        socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG
+    ) as sock:
+        sock.sendto(header + request, (0, 0))
+        while True:
+            data = sock.recv(1 << 16)
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind = struct.unpack_from(_HEADER, data, offset)[:2]
+                if kind == _NLMSG_DONE:
+                    return
+                if kind == _NLMSG_ERROR or length < 16 + 72:
+                    raise OSError("sock_diag request failed")
+                body = offset + 16  # struct inet_diag_msg, 72 bytes
+                state = data[body + 1]
+                (port,) = struct.unpack_from("!H", data, body + 4)
+                (inode,) = struct.unpack_from("=I", data, body + 68)
+                received = None
+                attribute = body + 72
+                while attribute + 4 <= offset + length:
+                    size, kind = struct.unpack_from("=HH", data, attribute)
+                    if size < 4:
+                        break
+                    if kind == _INET_DIAG_INFO and size >= 4 + _TCPI_BYTES_RECEIVED + 8:
+                        (received,) = struct.unpack_from(
+                            "=Q", data, attribute + 4 + _TCPI_BYTES_RECEIVED
+                        )
+                    attribute += (size + 3) & ~3
+                yield state, port, inode, received
+                offset += (length + 3) & ~3
+
+
+def _socket_inodes(pid):
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
 
 
 def ps_bytes_received(cluster):
     """Bytes received so far by the parameter-server processes over TCP.
 
     Sums the kernel's `bytes_received` over every established socket of each
-    parameter-server process (found by its listening port with `ss -p`): the
-    gRPC connections other tasks open to it and the ones it opens to the
-    workers to fetch tensors (TensorFlow's receiver pulls). Needs the
-    processes to be in this network namespace and readable by this user;
-    returns None when `ss` cannot tell.
+    parameter-server process (found by its listening port): the gRPC
+    connections other tasks open to it and the ones it opens to the workers
+    to fetch tensors (TensorFlow's receiver pulls). Needs Linux, the
+    processes in this network namespace and readable by this user; returns
+    None otherwise.
     """
-    total = 0
     try:
+        sockets = [
+            s for f in (socket.AF_INET, socket.AF_INET6) for s in _tcp_sockets(f)
+        ]
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        total = 0
         for address in cluster["ps"]:
-            port = address.rsplit(":", 1)[1]
-            listening = _ss("-tlnpH", f"( sport = :{port} )")
-            pids = set(re.findall(r"pid=(\d+)", listening))
-            if not pids:
+            port = int(address.rsplit(":", 1)[1])
+            listening = {
+                i for st, p, i, _ in sockets if st == _TCP_LISTEN and p == port
+            }
+            owner = next((p for p in pids if listening & _socket_inodes(p)), None)
+            if owner is None:
                 return None
-            owner = set()
-            # `ss -i` prints a socket's line, then its TCP info indented.
-            for line in _ss("-tinpH", "state", "established").splitlines():
-                if line and not line[0].isspace():
-                    owner = set(re.findall(r"pid=(\d+)", line))
-                if owner & pids:
-                    total += sum(
-                        int(n) for n in re.findall(r"bytes_received:(\d+)", line)
-                    )
-    except (OSError, subprocess.SubprocessError):
+            owned = _socket_inodes(owner)
+            total += sum(
+                received or 0
+                for state, _, inode, received in sockets
+                if state == _TCP_ESTABLISHED and inode in owned
+            )
+    except (OSError, AttributeError, struct.error):
         return None
     return total
+
+
+def sleep_per_element(dataset, microseconds):
+    """`dataset`, sleeping `microseconds` before each element (no CPU spent).
+
+    The workers run the dataset as a graph, without this Python process, so
+    the sleep is TensorFlow's `SleepDataset` op (`tf.raw_ops`), wrapped
+    through the public `tf.data.experimental.to_variant` / `from_variant`.
+    """
+    import tensorflow as tf
+
+    spec = dataset.element_spec
+    variant = tf.raw_ops.SleepDataset(
+        input_dataset=tf.data.experimental.to_variant(dataset),
+        sleep_microseconds=tf.constant(microseconds, tf.int64),
+        output_types=[s.dtype for s in tf.nest.flatten(spec)],
+        output_shapes=[s.shape for s in tf.nest.flatten(spec)],
+    )
+    return tf.data.experimental.from_variant(variant, spec)
 
 
 def _make_inner(args):
@@ -158,9 +245,7 @@ def train(args, config, strategy, coordinator):
             .batch(batch_size, drop_remainder=True)
         )
         if delay_us:
-            from tensorflow.python.data.experimental.ops import testing
-
-            dataset = dataset.apply(testing.sleep(delay_us))
+            dataset = sleep_per_element(dataset, delay_us)
         return dataset
 
     try:

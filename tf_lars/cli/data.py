@@ -1,4 +1,4 @@
-"""Data loading for the `tf-lars` CLI (private).
+"""Data loading for the `tf-lars` command line.
 
 The default data set is scikit-learn's handwritten digits (1,797 8x8 images,
 10 classes, shipped inside scikit-learn: nothing is downloaded), split once

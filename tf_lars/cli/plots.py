@@ -1,4 +1,4 @@
-"""PNG plots of the `tf-lars` CLI (private). Matplotlib's Agg backend only."""
+"""PNG plots of the `tf-lars` command line. Matplotlib's Agg backend only."""
 
 import math
 

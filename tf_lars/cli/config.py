@@ -1,0 +1,746 @@
+"""Loading and validating `tf-lars` YAML configs.
+
+A config is the default (`configs/<command>.yaml`) with the user's
+`--config` file merged over it block by block, then `--set key=value`
+overrides applied, then the whole tree validated once. Every problem is a
+`ConfigError` whose one-line message names the dotted key, the rule and the
+received value.
+
+The validation is a pydantic (v2) model per command: pydantic is well kept
+and typed, `extra="forbid"` refuses unknown keys, strict types refuse
+`true` for an int or `"3"` for a number, and its errors carry the precise
+location of each value, which `_message` turns into the dotted key. Each
+leaf type carries its rule text (e.g. "must be an int >= 1"), so the message
+is the same whatever pydantic's own wording. The optimizer block is checked
+for shape only: its `config` can only be validated by deserializing it,
+which `optimizer_from_block` does once, when the command builds the
+optimizer it trains with.
+
+Two rules on merging: an `optimizer` block given by the user replaces the
+default one as a whole (its `config` holds one optimizer class's constructor
+arguments, which do not mix with another class's), and lists replace lists.
+"""
+
+import copy
+import datetime
+import importlib.resources
+import inspect
+import math
+import os
+import pathlib
+import re
+import typing
+from typing import Annotated, Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from tf_lars._validation import is_real
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "default_config",
+    "default_config_path",
+    "dump_config",
+    "load_config",
+    "optimizer_from_block",
+    "resolve_optimizer_class",
+]
+
+
+class ConfigError(ValueError):
+    """A config value the CLI refuses; the message is one line for the user."""
+
+
+# PyYAML follows YAML 1.1, where `1e-4` is a string; every user types it
+# expecting a float, so such scalars resolve to floats here.
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text, source):
+    """Parses YAML text with `1e-4` read as a float.
+
+    Args:
+        text: str, YAML.
+        source: str, where the text comes from, for the error message.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        ConfigError: the text is not valid YAML.
+    """
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {_one_line(error)}") from None
+
+
+def default_config_path(command):
+    """The default config file of `command` ("train" or "sweep").
+
+    Installed, it is the package data `tf_lars/cli/configs/<command>.yaml`;
+    in a source checkout (no such package data), the repository's
+    `configs/<command>.yaml`. Both are the same file: the build installs
+    `configs/` as that package data.
+
+    Args:
+        command: str, "train" or "sweep".
+
+    Returns:
+        A `pathlib.Path` or `importlib.resources` traversable (both have
+        `read_text` and `read_bytes`).
+
+    Example:
+
+    >>> default_config_path("train").name
+    'train.yaml'
+    """
+    try:
+        packaged = importlib.resources.files("tf_lars.cli.configs")
+    except ModuleNotFoundError:
+        packaged = None
+    if packaged is not None and packaged.joinpath(f"{command}.yaml").is_file():
+        return packaged.joinpath(f"{command}.yaml")
+    return pathlib.Path(__file__).resolve().parents[2] / "configs" / f"{command}.yaml"
+
+
+def default_config(command):
+    """The default config of `command`, as a dict (not validated)."""
+    text = default_config_path(command).read_text(encoding="utf-8")
+    return parse_yaml(text, f"default {command}.yaml")
+
+
+# --------------------------------------------------------------- leaf types
+# Each leaf (or list) type carries its rule; when pydantic refuses a value,
+# the whole field gets one error of type "rule" with that text, whatever the
+# type's branches (int or 'full') made of it.
+def _ruled(rule, whole_only=False):
+    def validate(value, handler):
+        try:
+            return handler(value)
+        except ValidationError as error:
+            # A list's items report their own rule; only the list itself
+            # (not a list, too short) gets the list's rule.
+            if whole_only and any(e["loc"] for e in error.errors()):
+                raise
+            raise PydanticCustomError("rule", "{rule}", {"rule": rule}) from None
+
+    return pydantic.WrapValidator(validate)
+
+
+def _int(low=None, high=None, *, words=(), nullable=False):
+    rule = "must be an int"
+    if low is not None and high is not None:
+        rule += f" in [{low}, {high}]"
+    elif low is not None:
+        rule += f" >= {low}"
+    rule += "".join(f" or {word!r}" for word in words)
+    rule += " or null" if nullable else ""
+    kind = Annotated[int, pydantic.Strict(), Field(ge=low, le=high)]
+    for word in words:
+        kind = kind | Literal[word]
+    if nullable:
+        kind = kind | None
+    return Annotated[kind, _ruled(rule)]
+
+
+def _float(low=None, high=None, *, low_open=False, high_open=False):
+    if low is not None and high is not None:
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        rule = f"must be a finite number in {left}{low}, {high}{right}"
+    elif low is not None:
+        rule = f"must be a finite number {'>' if low_open else '>='} {low}"
+    else:
+        rule = "must be a finite number"
+    bounds = Field(
+        gt=low if low_open else None,
+        ge=None if low_open else low,
+        lt=high if high_open else None,
+        le=None if high_open else high,
+    )
+    kind = Annotated[float, pydantic.Strict(), pydantic.AllowInfNan(False), bounds]
+    return Annotated[kind, _ruled(rule)]
+
+
+def _bool(*words):
+    rule = "must be true or false" + "".join(f" or {word!r}" for word in words)
+    kind = pydantic.StrictBool
+    for word in words:
+        kind = kind | Literal[word]
+    return Annotated[kind, _ruled(rule)]
+
+
+def _str(choices=None, *, nullable=False):
+    rule = f"must be one of {list(choices)}" if choices else "must be a string"
+    rule += " or null" if nullable else ""
+    kind = Literal[tuple(choices)] if choices else pydantic.StrictStr
+    if nullable:
+        kind = kind | None
+    return Annotated[kind, _ruled(rule)]
+
+
+def _list(item, min_length=1):
+    rule = f"must be a list of at least {min_length} item(s)"
+    kind = Annotated[list[item], pydantic.Strict(), Field(min_length=min_length)]
+    return Annotated[kind, _ruled(rule, whole_only=True)]
+
+
+def _block(model, rule="must be a mapping"):
+    return Annotated[model, _ruled(rule, whole_only=True)]
+
+
+class _Block(BaseModel):
+    # Every key is required (the defaults hold them all) and no other key
+    # is accepted; fields are in the order the messages list them.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ------------------------------------------------------------------- schema
+class OptimizerBlock(_Block):
+    """`{class_name, config}`: `keras.optimizers.serialize(optimizer)` output.
+
+    `config` is the optimizer's `get_config()`; omitted arguments take the
+    constructor's defaults. `module` and `registered_name` (present in
+    `keras.saving.serialize_keras_object` output) are accepted and used to
+    find the class. `config` is checked when the optimizer is built
+    (`optimizer_from_block`).
+    """
+
+    class_name: Annotated[
+        pydantic.StrictStr,
+        _ruled("must name a Keras optimizer (e.g. LARS, SGD, Adam)"),
+    ] = Field(description="e.g. LARS, SGD, Adam")
+    config: Annotated[
+        dict[str, Any] | None,
+        _ruled("must be a mapping of constructor arguments"),
+    ] = None
+    module: Any = None
+    registered_name: Any = None
+
+    @pydantic.field_validator("config")
+    @classmethod
+    def _empty_config(cls, value):
+        return {} if value is None else value
+
+    @pydantic.model_serializer(mode="wrap")
+    def _given_keys_only(self, handler):
+        data = handler(self)
+        return {
+            name: value
+            for name, value in data.items()
+            if name in ("class_name", "config") or name in self.model_fields_set
+        }
+
+
+_OPTIMIZER = _block(OptimizerBlock, "must be a mapping with `class_name` and `config`")
+
+
+class Data(_Block):
+    # null = scikit-learn's digits; a path = an .npz with x_train, y_train,
+    # x_test, y_test.
+    path: _str(nullable=True)
+    test_fraction: _float(0.0, 1.0, low_open=True, high_open=True)
+    split_seed: _int(low=0)
+    num_classes: _int(low=2, nullable=True)
+
+
+class Model(_Block):
+    name: _str(("cnn", "mlp"))
+    width: _int(low=1)
+
+
+class _Common(_Block):
+    """Keys that `train` and `sweep` configs share, in this order."""
+
+    seed: _int(low=0)
+    output_dir: _str()
+    run_name: _str(nullable=True)
+    data: _block(Data)
+    model: _block(Model)
+
+
+class _Schedule(_Block):
+    warmup_epochs: _float(0.0)
+    end_learning_rate: _float(0.0)
+    power: _float(0.0, low_open=True)
+
+
+class TrainTraining(_Block):
+    epochs: _int(low=1)
+    batch_size: _int(low=1, words=("full",))
+    precision: _str(("float32", "mixed_float16", "mixed_bfloat16"))
+    jit_compile: _bool("auto")
+    verbose: _int(0, 2)
+
+
+class TrainSchedule(_Block):
+    name: _str(("warmup_polynomial_decay", "none"))
+    warmup_epochs: _float(0.0)
+    end_learning_rate: _float(0.0)
+    power: _float(0.0, low_open=True)
+    base_batch_size: _int(low=1, nullable=True)
+
+
+class LossScale(_Block):
+    enabled: _bool()
+    dynamic: _bool()
+    initial_scale: _float(0.0, low_open=True)
+    dynamic_growth_steps: _int(low=1)
+
+
+class Monitor(_Block):
+    log_every_n_batches: _int(low=1, nullable=True)
+    tensorboard: _bool()
+
+
+class TrainConfig(_Common):
+    """A `tf-lars train` config."""
+
+    training: _block(TrainTraining)
+    schedule: _block(TrainSchedule)
+    optimizer: _OPTIMIZER
+    loss_scale: _block(LossScale)
+    monitor: _block(Monitor)
+
+
+class SweepTraining(_Block):
+    epochs: _int(low=1)
+    jit_compile: _bool("auto")
+
+
+class Sweep(_Block):
+    batch_sizes: _list(_int(low=1, words=("full",)))
+    base_batch_size: _int(low=1)
+    grid_factors: _list(_float(0.0, low_open=True))
+    workers: _int(low=1, words=("auto",))
+
+
+class SweepOptimizer(_Block):
+    label: _str()
+    base_learning_rate: _float(0.0, low_open=True)
+    optimizer: _OPTIMIZER
+
+
+class SweepConfig(_Common):
+    """A `tf-lars sweep` config."""
+
+    training: _block(SweepTraining)
+    schedule: _block(_Schedule)
+    sweep: _block(Sweep)
+    optimizers: _list(_block(SweepOptimizer))
+
+
+SCHEMAS = {"train": TrainConfig, "sweep": SweepConfig}
+
+
+# ------------------------------------------------- pydantic errors -> a line
+def _show(key, value):
+    return f"Received: {key}={value!r}"
+
+
+def _model_of(annotation):
+    """The model class (or list item type) an annotation holds, else None."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def _walk(schema, loc):
+    """The model holding the last key of `loc`, and that key's field."""
+    node = schema
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            node = _model_of(typing.get_args(node)[0])
+        else:
+            node = _model_of(node.model_fields[part].annotation)
+    return node, node.model_fields.get(loc[-1]) if loc else None
+
+
+def _message(schema, error):
+    loc = tuple(error["loc"])
+    key = ".".join(str(part) for part in loc)
+    if error["type"] == "rule":
+        return f"`{key}` {error['ctx']['rule']}. {_show(key, error['input'])}"
+    if not loc:
+        return f"the config must be a mapping. {_show('config', error['input'])}"
+    model, field = _walk(schema, loc)
+    if error["type"] == "extra_forbidden":
+        parent = ".".join(str(part) for part in loc[:-1])
+        where = f"`{parent}`" if parent else "the config"
+        return (
+            f"Unknown config key `{key}`. Valid keys in {where}: "
+            f"{', '.join(model.model_fields)}"
+        )
+    if error["type"] == "missing":
+        if field is not None and field.description:
+            return f"`{key}` is missing ({field.description})"
+        return f"Config key `{key}` is missing"
+    return f"`{key}`: {error['msg']}. {_show(key, error.get('input'))}"
+
+
+def _order(schema, error):
+    """DFS order of the old checks: in each block, unknown keys come first."""
+    order = []
+    node = schema
+    for part in error["loc"]:
+        if isinstance(part, int):
+            order.append(part)
+            node = _model_of(typing.get_args(node)[0])
+        elif isinstance(node, type) and issubclass(node, BaseModel):
+            names = list(node.model_fields)
+            if part not in names:
+                order.append(-1)
+                break
+            order.append(names.index(part))
+            node = _model_of(node.model_fields[part].annotation)
+        else:
+            break
+    return order
+
+
+def validate_config(command, config):
+    """Validates a config dict of `command`; returns it as a plain dict.
+
+    Args:
+        command: str, "train" or "sweep".
+        config: dict, the merged config.
+
+    Returns:
+        A new dict, keys in the schema's order, numbers of float keys as
+        floats, every optimizer block with a `config` mapping.
+
+    Raises:
+        ConfigError: the first problem, in the order of the keys.
+
+    Example:
+
+    >>> config = validate_config("train", default_config("train"))
+    >>> config["training"]["epochs"]
+    100
+    """
+    schema = SCHEMAS[command]
+    try:
+        return schema.model_validate(config).model_dump()
+    except ValidationError as error:
+        first = min(error.errors(), key=lambda e: _order(schema, e))
+        raise ConfigError(_message(schema, first)) from None
+
+
+# ---------------------------------------------------------------- optimizers
+def resolve_optimizer_class(block, key="optimizer"):
+    """The optimizer class named by an optimizer block.
+
+    Args:
+        block: dict with `class_name` (and maybe `registered_name`).
+        key: str, the block's dotted key, for error messages.
+
+    Returns:
+        A `keras.optimizers.Optimizer` subclass (not a loss-scale wrapper).
+
+    Raises:
+        ConfigError: no such optimizer, or a loss-scale wrapper.
+    """
+    import keras
+
+    import tf_lars
+
+    names = [block.get("registered_name"), block.get("class_name")]
+    candidates = []
+    for name in names:
+        if not isinstance(name, str):
+            continue
+        candidates.append(keras.saving.get_registered_object(name))
+        candidates.append(keras.saving.get_registered_object(f"tf_lars>{name}"))
+        candidates.append(getattr(tf_lars, name, None))
+        candidates.append(getattr(keras.optimizers, name, None))
+    for cls in candidates:
+        if inspect.isclass(cls) and issubclass(cls, keras.optimizers.Optimizer):
+            if issubclass(cls, keras.optimizers.LossScaleOptimizer):
+                raise ConfigError(
+                    f"`{key}.class_name` names a loss-scale wrapper; configure the "
+                    "inner optimizer here and loss scaling in the `loss_scale` "
+                    f"block. {_show(key + '.class_name', block.get('class_name'))}"
+                )
+            return cls
+    raise ConfigError(
+        f"`{key}.class_name` must name a Keras optimizer (e.g. LARS, SGD, Adam). "
+        f"{_show(key + '.class_name', block.get('class_name'))}"
+    )
+
+
+def constructor_parameters(cls):
+    """`{name: default}` of the constructor arguments an optimizer accepts."""
+    import keras
+
+    parameters = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        signature = inspect.signature(klass.__init__)
+        for name, parameter in signature.parameters.items():
+            if name == "self" or parameter.kind in (
+                parameter.VAR_POSITIONAL,
+                parameter.VAR_KEYWORD,
+            ):
+                continue
+            parameters.setdefault(name, parameter.default)
+        has_var_keyword = any(
+            p.kind == p.VAR_KEYWORD for p in signature.parameters.values()
+        )
+        # Stop at the first constructor that does not forward **kwargs, and at
+        # the Keras base class (whose own **kwargs are internal).
+        if not has_var_keyword or klass is keras.optimizers.Optimizer:
+            break
+    return parameters
+
+
+def _check_optimizer_arguments(cls, config, key):
+    parameters = constructor_parameters(cls)
+    for name, value in config.items():
+        full = f"{key}.{name}"
+        if name not in parameters:
+            raise ConfigError(
+                f"Unknown config key `{full}`: not an argument of {cls.__name__}. "
+                f"Valid keys: {', '.join(sorted(parameters))}"
+            )
+        default = parameters[name]
+        if name == "learning_rate":
+            if not isinstance(value, dict) and not (
+                is_real(value) and math.isfinite(value)
+            ):
+                raise ConfigError(
+                    f"`{full}` must be a finite number or a serialized "
+                    f"learning-rate schedule. {_show(full, value)}"
+                )
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"`{full}` must be true or false. {_show(full, value)}"
+                )
+        elif is_real(default):
+            if not is_real(value):
+                raise ConfigError(f"`{full}` must be a number. {_show(full, value)}")
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                raise ConfigError(f"`{full}` must be a string. {_show(full, value)}")
+
+
+def learning_rate_schedule(serialized, key="optimizer.config.learning_rate"):
+    """Deserializes a learning-rate schedule saved from Python.
+
+    Args:
+        serialized: dict, `keras.optimizers.schedules.serialize(schedule)`.
+        key: str, its dotted key, for the error message.
+
+    Returns:
+        A `keras.optimizers.schedules.LearningRateSchedule`.
+
+    Raises:
+        ConfigError: it does not load.
+    """
+    import keras
+
+    try:
+        return keras.optimizers.schedules.deserialize(serialized)
+    except Exception as error:  # noqa: BLE001 - reported to the user
+        raise ConfigError(
+            f"`{key}` is not a loadable learning-rate schedule: {_one_line(error)}"
+        ) from None
+
+
+def _one_line(error):
+    return " ".join(str(error).split())
+
+
+def optimizer_from_block(block, learning_rate=None, key="optimizer"):
+    """Builds (and so validates) the optimizer of an optimizer block.
+
+    The one check of the block's `config`: its class is resolved, each key
+    is checked against the constructor (unknown keys, and bool, number and
+    string types against the defaults' types), then the constructor's own
+    checks run.
+
+    Args:
+        block: dict, a validated optimizer block.
+        learning_rate: float, schedule or `None`. Replaces the block's
+            `learning_rate` when given.
+        key: str. The block's dotted key, for error messages.
+
+    Returns:
+        The optimizer, a `keras.optimizers.Optimizer`.
+
+    Raises:
+        ConfigError: naming the key.
+
+    Example:
+
+    >>> optimizer = optimizer_from_block(
+    ...     {"class_name": "SGD", "config": {"momentum": 0.9}}, learning_rate=0.1
+    ... )
+    >>> type(optimizer).__name__, float(optimizer.momentum)
+    ('SGD', 0.9)
+    """
+    cls = resolve_optimizer_class(block, key)
+    config = copy.deepcopy(block["config"])
+    _check_optimizer_arguments(cls, config, f"{key}.config")
+    if learning_rate is not None:
+        config["learning_rate"] = learning_rate
+    elif isinstance(config.get("learning_rate"), dict):
+        config["learning_rate"] = learning_rate_schedule(
+            config["learning_rate"], f"{key}.config.learning_rate"
+        )
+    try:
+        return cls(**config)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"`{key}.config`: {_one_line(error)}") from None
+
+
+# ---------------------------------------------------------- merge and --set
+def _merge(base, update):
+    result = copy.deepcopy(base)
+    for name, value in update.items():
+        if (
+            name != "optimizer"
+            and isinstance(value, dict)
+            and isinstance(result.get(name), dict)
+        ):
+            result[name] = _merge(result[name], value)
+        else:
+            result[name] = copy.deepcopy(value)
+    return result
+
+
+def apply_overrides(config, overrides):
+    """Applies `key=value` strings (values parsed as YAML) to a config dict.
+
+    Args:
+        config: dict, left unchanged.
+        overrides: iterable of str, `dotted.key=value`; list items by index.
+
+    Returns:
+        A new dict.
+
+    Raises:
+        ConfigError: a string without `=`, or a key that does not lead to a
+            block or a list index.
+
+    Example:
+
+    >>> apply_overrides({"training": {"epochs": 1}}, ["training.epochs=1e1"])
+    {'training': {'epochs': 10.0}}
+    """
+    config = copy.deepcopy(config)
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                f"`--set` must be given as key=value. Received: --set {override!r}"
+            )
+        value = parse_yaml(text, f"--set {key}") if text.strip() else None
+        parts = key.split(".")
+        node = config
+        for depth, part in enumerate(parts[:-1]):
+            where = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(
+                        f"`--set {key}`: `{where}` is not an index into a list of "
+                        f"{len(node)}"
+                    )
+                node = node[int(part)]
+            elif isinstance(node, dict):
+                node = node.setdefault(part, {})
+            else:
+                raise ConfigError(f"`--set {key}`: `{where}` is not a block of keys")
+            if node is None:
+                raise ConfigError(f"`--set {key}`: `{where}` is null")
+        last = parts[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise ConfigError(
+                    f"`--set {key}`: `{last}` is not an index into a list of "
+                    f"{len(node)}"
+                )
+            node[int(last)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(
+                f"`--set {key}`: `{'.'.join(parts[:-1])}` is not a block of keys"
+            )
+    return config
+
+
+def load_config(command, path=None, overrides=()):
+    """Default config of `command`, merged with `path`, then `overrides`.
+
+    Args:
+        command: str, "train" or "sweep".
+        path: str or path-like, a YAML file merged over the default, or None.
+        overrides: iterable of `key=value` strings (`--set`).
+
+    Returns:
+        The validated config, a plain dict (see `validate_config`).
+
+    Raises:
+        ConfigError: on a missing or unreadable file, an unknown key, a value
+            of the wrong type or out of range.
+
+    Example:
+
+    >>> load_config("sweep", overrides=["sweep.workers=1"])["sweep"]["workers"]
+    1
+    """
+    config = default_config(command)
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as error:
+            raise ConfigError(
+                f"--config {path}: cannot read: {error.strerror or error}"
+            ) from None
+        user = parse_yaml(text, f"--config {path}")
+        if user is None:
+            user = {}
+        if not isinstance(user, dict):
+            raise ConfigError(
+                f"--config {path}: must hold a mapping of config keys. "
+                f"Received: {type(user).__name__}"
+            )
+        config = _merge(config, user)
+    config = apply_overrides(config, overrides)
+    return validate_config(command, config)
+
+
+def dump_config(config):
+    """YAML text of a config, in the schema's key order."""
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def run_dir(config, command):
+    """The run folder: `<output_dir>/<run_name or command-YYYYmmdd-HHMMSS>`."""
+    name = config["run_name"] or (
+        f"{command}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
+    return os.path.join(config["output_dir"], name)

@@ -1,0 +1,153 @@
+"""The `tf-lars` command line: `train`, `sweep` and `bench`.
+
+```
+tf-lars [--tf-log] train [--config FILE] [--set key=value ...]
+tf-lars [--tf-log] sweep [--config FILE] [--set key=value ...]
+tf-lars [--tf-log] bench [bench arguments ...]
+```
+
+`train` runs one training from a YAML config (the default trains a small
+CNN with LARS on scikit-learn's digits in about 15 seconds on 2 CPU cores)
+and writes a run folder. `sweep` trains SGD-with-momentum and LARS across
+batch sizes and learning rates and prints a table of test accuracy. `bench`
+runs `tf_lars.cli.bench`, the optimizer step benchmarks.
+
+Configuration or data problems print one line to stderr and exit with
+status 2. See the README (section "The `tf-lars` command line") for every
+config key.
+
+This module imports no TensorFlow, Keras or NumPy, so that `--help` answers
+at once; each command imports its module when it runs.
+"""
+
+import argparse
+import importlib
+import sys
+
+EXIT_USAGE = 2
+
+_DESCRIPTION = (
+    "Large-batch training experiments with tf_lars (LARS for Keras 3): "
+    "train one model, sweep batch sizes, or benchmark optimizer steps."
+)
+_TF_LOG = "--tf-log"
+_TF_LOG_HELP = (
+    "leave TensorFlow's C++ logging on (by default TF_CPP_MIN_LOG_LEVEL=3 "
+    "unless set in the environment)"
+)
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="tf-lars", description=_DESCRIPTION)
+    parser.add_argument(_TF_LOG, action="store_true", help=_TF_LOG_HELP)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    for name, help_text in (
+        (
+            "train",
+            "train a Keras model with the configured optimizer and write a run "
+            "folder (config, history, model, plots)",
+        ),
+        (
+            "sweep",
+            "train SGD-with-momentum and LARS across batch sizes and learning "
+            "rates; print a table and save a plot",
+        ),
+    ):
+        command = commands.add_parser(name, help=help_text, description=help_text)
+        command.add_argument(
+            "--config",
+            metavar="FILE",
+            help=f"YAML config merged over the default (configs/{name}.yaml)",
+        )
+        command.add_argument(
+            "--set",
+            dest="overrides",
+            metavar="KEY=VALUE",
+            action="append",
+            default=[],
+            help="override one config key, e.g. --set training.epochs=5 "
+            "(value parsed as YAML; repeatable)",
+        )
+        command.add_argument(
+            _TF_LOG, action="store_true", default=argparse.SUPPRESS, help=_TF_LOG_HELP
+        )
+    commands.add_parser(
+        "bench",
+        help="optimizer step benchmarks (tf_lars.cli.bench), printed as a table",
+        add_help=False,
+    )
+    return parser
+
+
+def _error(command, message):
+    print(f"tf-lars {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _quiet_python_logs():
+    import logging
+
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+
+
+def _bench(argv, tf_log):
+    try:
+        from tf_lars.cli import bench
+    except ModuleNotFoundError as error:
+        if error.name not in ("tf_lars.cli.bench",):
+            raise
+        return _error("bench", "tf_lars.cli.bench is not part of this installation")
+    return int(bench.main(([_TF_LOG] if tf_log else []) + list(argv)) or 0)
+
+
+def main(argv=None):
+    """Runs the `tf-lars` command line.
+
+    Args:
+        argv: list of str, the arguments after the program name. Defaults to
+            `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0 on success, 2 for a bad command line, config or
+        data (with a one-line message on stderr).
+
+    Example:
+
+    >>> from tf_lars.cli.main import main
+    >>> main(["train", "--set", "training.epochs=2"])  # doctest: +SKIP
+    0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `bench` takes its own arguments, unparsed here; global options first.
+    position = 0
+    while position < len(argv) and argv[position] == _TF_LOG:
+        position += 1
+    if position < len(argv) and argv[position] == "bench":
+        return _bench(argv[position + 1 :], tf_log=position > 0)
+    try:
+        arguments = _parser().parse_args(argv)
+    except SystemExit as exit_request:
+        return int(exit_request.code or 0)
+
+    from tf_lars.cli import import_tensorflow, set_tensorflow_log_level
+
+    set_tensorflow_log_level(arguments.tf_log)
+    import_tensorflow()
+    from tf_lars.cli.config import ConfigError, load_config
+    from tf_lars.cli.data import DataError
+
+    try:
+        config = load_config(arguments.command, arguments.config, arguments.overrides)
+        _quiet_python_logs()
+        command = importlib.import_module(f"tf_lars.cli.{arguments.command}")
+        return command.run(config)
+    except (ConfigError, DataError) as error:
+        return _error(arguments.command, str(error))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

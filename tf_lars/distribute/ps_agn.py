@@ -1,0 +1,219 @@
+"""The worker side of `tf_lars.AGN` under `ParameterServerStrategy`."""
+
+import keras
+import tensorflow as tf
+
+from tf_lars import _internals
+from tf_lars._exclusions import mark_stand_in
+from tf_lars.agn import (
+    AGN,
+    clone_optimizer,
+    local_step,
+    normalized,
+    reset,
+)
+
+
+class ParameterServerAGN:
+    """AGN's rounds on a parameter-server cluster, around a `tf_lars.AGN`.
+
+    Fixed roles: the center is the model's variables on the parameter
+    servers, updated by the AGN's inner optimizer (its slots there too) and
+    counted by `agn.commits` / `agn.local_steps`; all of that is the `agn`'s
+    checkpointed state. This object adds what lives on each worker and is
+    never checkpointed: a local copy of the model, the gradient accumulators
+    and a copy of the inner optimizer for the local steps. A commit runs the
+    inner optimizer on the parameter servers inside a `tf.CriticalSection`,
+    so concurrent commits from several workers are applied one at a time.
+
+    `tf_lars.distribute.ParameterServerTrainer` creates it (as
+    `trainer.ps_agn`) and schedules one round per closure: `pull`,
+    `communication_period` times `local_update`, `commit`.
+
+    Args:
+        agn: `tf_lars.AGN` created under `strategy.scope()`; built here if it
+            is not built yet.
+        strategy: the `tf.distribute.ParameterServerStrategy`, with a
+            `ClusterCoordinator` already created for it.
+        model_variables: list of the model's trainable variables, if `agn` is
+            not built yet. Defaults to None.
+        name: str or None. Prefix of the worker-local variables' names.
+            Defaults to None (the `agn`'s name).
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = make_model()
+        agn = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=10)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    ps_agn = ParameterServerAGN(agn, strategy, model.trainable_variables)
+
+    @tf.function
+    def round_fn(batches):
+        ps_agn.pull()
+        for x, y in batches:  # communication_period batches
+            ...  # grads of ps_agn.scale_loss(loss) wrt ps_agn.local_variables
+            ps_agn.local_update(grads)
+        return ps_agn.commit()
+
+    coordinator.schedule(round_fn, args=(per_worker_iterator,))
+    ```
+    """
+
+    def __init__(self, agn, strategy, model_variables=None, name=None):
+        if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+            raise ValueError(
+                "`strategy` must be a `tf.distribute.ParameterServerStrategy`. "
+                f"Received: strategy={strategy!r}"
+            )
+        if not isinstance(agn, AGN) or not agn.is_parameter_server:
+            raise ValueError(
+                "`agn` must be a `tf_lars.AGN` created under `strategy.scope()`. "
+                f"Received: agn={agn!r}"
+            )
+        if tf.distribute.has_strategy():
+            raise ValueError(
+                "Create ParameterServerAGN outside `strategy.scope()` "
+                "(tf_lars.distribute.ParameterServerTrainer does): its "
+                "worker-local variables must not be placed on the parameter "
+                "servers."
+            )
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"`name` must be a str or None. Received: name={name!r}")
+        if not agn.built:
+            if model_variables is None:
+                raise ValueError(
+                    "`model_variables` is needed when `agn` is not built yet. "
+                    f"Received: model_variables={model_variables!r}"
+                )
+            agn.build(list(model_variables))
+        self.agn = agn
+        self.name = name or agn.name
+        self.communication_period = agn.communication_period
+        self._center = agn.center_variables
+        self._center_optimizer = agn.center_optimizer
+        # Commits from different workers are serialized at the parameter
+        # server holding the first variable; the lock waits for the gradients
+        # to arrive, so a worker dying mid-push cannot hold it.
+        with strategy.scope(), tf.device(self._center[0].value.device):
+            self._lock = tf.CriticalSection(name=f"{self.name}_commit")
+        with _internals.worker_local_scope(strategy), keras.name_scope(self.name):
+            self._local = [
+                mark_stand_in(_worker_variable(v, "local"), v) for v in self._center
+            ]
+            self._accumulators = [
+                _worker_variable(v, "accumulator") for v in self._center
+            ]
+            self._local_optimizer = clone_optimizer(agn.inner_optimizer, "local")
+            self._local_optimizer.build(self._local)
+
+    # ------------------------------------------------------------- read-outs
+    @property
+    def local_variables(self):
+        """Each worker's copy of the model (worker-local variables)."""
+        return list(self._local)
+
+    @property
+    def center_variables(self):
+        """The model's variables on the parameter servers."""
+        return list(self._center)
+
+    @property
+    def accumulators(self):
+        """Each worker's gradient accumulators, one per variable."""
+        return list(self._accumulators)
+
+    @property
+    def local_optimizer(self):
+        """The copy of the inner optimizer that applies local steps."""
+        return self._local_optimizer
+
+    @property
+    def center_optimizer(self):
+        """The inner optimizer (without loss scaling) that applies commits."""
+        return self._center_optimizer
+
+    @property
+    def commits(self):
+        """`agn.commits`: commits applied to the center so far."""
+        return self.agn.commits
+
+    @property
+    def local_steps(self):
+        """`agn.local_steps`: local steps committed by all workers together."""
+        return self.agn.local_steps
+
+    def scale_loss(self, loss):
+        """The loss the local steps' gradients are taken of."""
+        return self._local_optimizer.scale_loss(loss)
+
+    # ------------------------------------------------------------ the round
+    def pull(self):
+        """Resets the worker's local copy to the center, accumulators to 0."""
+        reset(self.agn, self._local, self._center, self._accumulators)
+
+    def local_update(self, grads):
+        """One local step on the worker; accumulates its unscaled gradient.
+
+        Args:
+            grads: list, one gradient (or `None`) per entry of
+                `local_variables`, of `scale_loss(loss)`.
+
+        Returns:
+            A scalar bool tensor: whether the step was applied (false when a
+            loss-scale inner optimizer skipped a non-finite step).
+        """
+        return local_step(
+            self.agn,
+            self._local_optimizer,
+            self._local,
+            self._accumulators,
+            list(grads),
+        )
+
+    def commit(self):
+        """Applies the accumulated gradient / period to the center.
+
+        Serialized with the other workers' commits at the parameter server;
+        the next round starts with `pull`.
+
+        Returns:
+            The number of commits after this one, an int64 scalar tensor.
+        """
+        agn = self.agn
+        period = self.communication_period
+        center = self._center
+        center_optimizer = self._center_optimizer
+        # Read and normalized on the worker: one tensor per variable travels.
+        grads = normalized(self._accumulators, period)
+
+        def critical():
+            center_optimizer.apply(grads, center)
+            # The lock is released once the returned tensors exist; reading
+            # every center-side variable makes the whole update part of them.
+            done = [
+                tf.convert_to_tensor(v) for v in center + center_optimizer.variables
+            ]
+            with tf.control_dependencies(done):
+                agn.assign_add(agn.local_steps, tf.constant(period, tf.int64))
+                agn.assign_add(agn.commits, tf.constant(1, tf.int64))
+            # Reads after the writes (same variables: program order).
+            return (
+                tf.convert_to_tensor(agn.commits),
+                tf.convert_to_tensor(agn.local_steps),
+            )
+
+        commits, _ = self._lock.execute(critical)
+        return commits
+
+
+def _worker_variable(reference, role):
+    name = reference.path.replace("/", "_") if hasattr(reference, "path") else "var"
+    return keras.Variable(
+        initializer="zeros",
+        shape=reference.shape,
+        dtype=reference.dtype,
+        trainable=False,
+        name=f"{name}_{role}",
+    )
