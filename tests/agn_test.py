@@ -2,7 +2,6 @@
 model.fit under XLA, loss scaling, sparse gradients, saving and validation."""
 
 import inspect
-import os
 
 import keras
 import numpy as np
@@ -564,16 +563,3 @@ def test_counters_are_written_through_the_optimizer(monkeypatch):
     assert any(v is opt.commits for v in written)
     assert any(v is opt.local_steps for v in written)
     assert int(opt.commits.numpy()) == 1 and int(opt.local_steps.numpy()) == 2
-
-
-def test_v0_1_0_checkpoint_restores(tmp_path):
-    # A one-process checkpoint written by tf_lars 0.1.0 (LARS inside AGN).
-    model = keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(5), keras.layers.Dense(3)]
-    )
-    opt = AGN(tf_lars.LARS(learning_rate=0.1), communication_period=3)
-    opt.build(model.trainable_variables)
-    path = os.path.join(os.path.dirname(__file__), "data", "v0_1_0_agn_ckpt")
-    tf.train.Checkpoint(optimizer=opt).read(path).assert_consumed()
-    assert int(opt.commits.numpy()) == 1
-    assert int(opt.local_steps.numpy()) == 4

@@ -23,19 +23,39 @@ def test_build_parses_and_declares_the_library():
     assert "tf_lars" in names
 
 
-def test_every_package_module_is_in_the_library():
-    library = next(
-        kw for kind, kw in _rules() if kind == "py_library" and kw["name"] == "tf_lars"
-    )
-    declared = set(library["srcs"])
+LIBRARY_OF_PART = {"cli": "tf_lars_cli", "distribute": "tf_lars_distribute"}
+
+
+def _library_for(module):
+    """The py_library a module belongs in: one per part of the package."""
+    parts = pathlib.PurePath(module).parts
+    return LIBRARY_OF_PART.get(parts[1], "tf_lars") if len(parts) > 2 else "tf_lars"
+
+
+def test_every_package_module_is_in_its_part_s_library():
+    libraries = {kw["name"]: kw for kind, kw in _rules() if kind == "py_library"}
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "tf_lars").rglob("*.py")}
     assert modules, "no modules found"
+    declared = set()
+    for name in ("tf_lars", "tf_lars_distribute", "tf_lars_cli"):
+        srcs = set(libraries[name]["srcs"])
+        assert {_library_for(m) for m in srcs} <= {name}, (name, sorted(srcs))
+        declared |= srcs
     assert modules - declared == set(), (
         f"missing from BUILD: {sorted(modules - declared)}"
     )
     assert declared - modules == set(), (
         f"in BUILD but not on disk: {sorted(declared - modules)}"
     )
+
+
+def test_libraries_depend_only_downward():
+    libraries = {kw["name"]: kw for kind, kw in _rules() if kind == "py_library"}
+    assert libraries["tf_lars"].get("deps", []) == []
+    assert libraries["tf_lars_distribute"]["deps"] == [":tf_lars"]
+    assert libraries["tf_lars_cli"]["deps"] == [":tf_lars_distribute"]
+    configs = {str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml")}
+    assert set(libraries["tf_lars_cli"]["data"]) == configs
 
 
 def test_every_test_file_has_a_py_test():

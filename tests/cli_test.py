@@ -942,6 +942,29 @@ def test_console_script_sweep_workers_write_no_tensorflow_log_lines(tmp_path):
     assert TF_LOG_LINE.search(process.stderr) is None, process.stderr
 
 
+def test_missing_cli_extra_is_a_clean_error(tmp_path):
+    probe = (
+        "import sys\n"
+        "sys.modules['pydantic'] = None  # as without the `cli` extra\n"
+        "sys.argv = ['/usr/bin/tf-lars', 'train']\n"
+        "from tf_lars.cli.main import main\n"
+        "sys.exit(main())\n"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=300,
+    )
+    assert process.returncode == 2
+    assert process.stderr.strip() == (
+        "tf-lars train: error: the command line needs the `cli` extra: "
+        "pip install \"tf_lars[cli]\" (no module named 'pydantic')"
+    )
+
+
 def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
     # --tf-log sets no level: TensorFlow's own default prints its INFO lines.
     missing = tmp_path / "missing.npz"

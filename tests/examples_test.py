@@ -9,6 +9,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def _env():
+    # The examples import `tf_lars` from this checkout (not installed).
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def test_train_lars_example_prints_a_falling_loss():
     result = subprocess.run(
         [
@@ -24,7 +31,7 @@ def test_train_lars_example_prints_a_falling_loss():
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        env=_env(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     epochs = re.findall(r"epoch\s+\d+\s+loss (\d+\.\d+)", result.stdout)
@@ -33,3 +40,20 @@ def test_train_lars_example_prints_a_falling_loss():
     assert losses[-1] < losses[0], losses
     final = re.search(r"test accuracy (\d\.\d+)", result.stdout)
     assert final and float(final.group(1)) > 0.6, result.stdout
+
+
+def test_agn_digits_example_checks_its_arguments_first():
+    # The full run is a cluster (tests/distribute_launch_test.py); alone, the
+    # script rejects bad arguments before reading TF_CONFIG or starting work.
+    env = _env()
+    env.pop("TF_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "agn_digits.py"), "--period", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--period must be >= 1" in result.stderr
+    assert "[agn]" not in result.stdout

@@ -1,4 +1,4 @@
-"""tf_lars: LARS, LAMB, loss scaling and AGN optimizers for TensorFlow 2 / Keras 3.
+"""tf_lars: LARS, loss scaling and AGN optimizers for TensorFlow 2 / Keras 3.
 
 `import tf_lars` imports TensorFlow and Keras, checks their versions
 (`tf_lars/_internals.py`) and registers every public class with Keras, so
@@ -27,10 +27,13 @@ _PUBLIC = {
     "schedules": "tf_lars.schedules",
 }
 
-__all__ = sorted(_PUBLIC)
+# The public classes, sorted (the submodules `callbacks` and `schedules` load
+# with them).
+__all__ = ["AGN", "LARS", "LossScaleOptimizer", "WarmupPolynomialDecay"]
 
 if TYPE_CHECKING:  # What the loading below binds, spelled out.
-    from tf_lars import callbacks, schedules
+    from tf_lars import callbacks as callbacks
+    from tf_lars import schedules as schedules
     from tf_lars.agn import AGN
     from tf_lars.lars import LARS
     from tf_lars.loss_scale import LossScaleOptimizer
@@ -58,11 +61,18 @@ def load_public_names():
 
 
 def _started_as_command():
-    # The console script `tf-lars` runs with its own path as argv[0]. Anything
-    # else (a user's program, `python -m ...`, pytest) loads eagerly; a
-    # renamed script only loses the fast `--help`, never correctness.
+    # The console script `tf-lars` runs with its own path as argv[0];
+    # `python -m tf_lars.cli[.module]` shows in `sys.orig_argv`. Anything else
+    # (a user's program, pytest) loads eagerly; a renamed script only loses
+    # the fast `--help`, never correctness.
     argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return argv0 in ("tf-lars", "tf-lars.exe")
+    if argv0 in ("tf-lars", "tf-lars.exe"):
+        return True
+    original = list(getattr(sys, "orig_argv", []))
+    if "-m" in original:
+        module = original[original.index("-m") + 1 :][:1] or [""]
+        return module[0] == "tf_lars.cli" or module[0].startswith("tf_lars.cli.")
+    return False
 
 
 if not _started_as_command():

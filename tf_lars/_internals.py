@@ -41,6 +41,11 @@ The accesses:
    `cluster_resolver_of(strategy)`: the public `strategy.cluster_resolver`,
    else `strategy._cluster_resolver`; `ParameterServerStrategy` 2.21 keeps
    its resolver only there (the public property returns None).
+6. `base_optimizer_keyword_args()` (`keras.src.optimizers.optimizer`): the
+   text Keras's own optimizers splice into their docstrings for the base
+   arguments (`clipnorm`, `use_ema`, ...); LARS's docstring includes it. Keras
+   exports it nowhere public. Read inside a `try`: if Keras moves it, a short
+   pointer stands in and `import tf_lars` still works.
 """
 
 import contextlib
@@ -113,11 +118,15 @@ from tensorflow.python.saved_model import save_context as _save_context  # noqa:
 # 1 and 2 -------------------------------------------------------------------
 
 
+# Not converted by AutoGraph: plain calls, no tensor-dependent Python control
+# flow, and converting them would only re-read this file's source.
+@tf.autograph.experimental.do_not_convert
 def maybe_merge_call(fn, strategy, *args):
     """`fn(strategy, *args)` through a merge call where the strategy needs one."""
     return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
 
 
+@tf.autograph.experimental.do_not_convert
 def strategy_supports_no_merge_call():
     """Whether the current strategy updates variables without a merge call."""
     return tf.__internal__.distribute.strategy_supports_no_merge_call()

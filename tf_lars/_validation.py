@@ -38,6 +38,24 @@ def check_number(name, value, *, low=None, low_inclusive=True, high=None):
     return float(value)
 
 
+def check_positive(name, value):
+    """A finite real > 0, returned as a float."""
+    if not is_real(value) or not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"`{name}` must be a finite number > 0. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def check_int(name, value, low):
+    """An int (not a bool) >= `low`, returned as an int."""
+    if not is_int(value) or value < low:
+        raise ValueError(
+            f"`{name}` must be an int >= {low}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
 def check_bool(name, value):
     """A Python bool, returned unchanged."""
     if not isinstance(value, bool):

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
-from tf_lars._wrapper import InnerOptimizerWrapper, all_finite
+from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
 
 __all__ = ["AGN"]
 
@@ -53,22 +53,6 @@ def clone_optimizer(optimizer, suffix, drop_loss_scale_factor=False):
     return optimizer.__class__.from_config(config)
 
 
-def as_gradient(gradient):
-    """`gradient` as tensors: Python lists and tuples (also the indices and
-    dense shape of a hand-made `tf.IndexedSlices`) become tensors, so that
-    compiled inner steps see the same signature at every call."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        dense_shape = gradient.dense_shape
-        return tf.IndexedSlices(
-            tf.convert_to_tensor(gradient.values),
-            tf.convert_to_tensor(gradient.indices),
-            None if dense_shape is None else tf.convert_to_tensor(dense_shape),
-        )
-    return tf.convert_to_tensor(gradient)
-
-
 def _map_values(gradient, fn):
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(
@@ -92,7 +76,7 @@ def local_step(writer, local_optimizer, local_variables, accumulators, grads):
     Returns:
         A scalar bool tensor: whether the step was applied.
     """
-    grads = [as_gradient(g) for g in grads]
+    grads = [gradient_as_tensor(g) for g in grads]
     if len(grads) != len(local_variables):
         raise ValueError(
             f"`grads` must have one entry per local variable "
@@ -177,8 +161,9 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
       parameter servers inside a `tf.CriticalSection`, so concurrent commits
       from several workers are applied one at a time (as the seed's
       `use_locking=True`): none is lost, and the commit counter is exact.
-      Under this strategy `apply`, `local_update`, `pull` and `commit` of
-      this class raise.
+      Under this strategy `apply`, `local_update`, `pull`, `commit` and the
+      worker-side read-outs (`local_variables`, `accumulators`,
+      `local_optimizer`) of this class raise.
 
     If the inner optimizer is a loss-scale optimizer, gradients are unscaled
     before they are accumulated, a skipped (non-finite) step adds nothing and

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
+from tf_lars._validation import check_int
 from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
 
 # The scale lives in a float32 variable. Doubling past the largest float32
@@ -38,18 +39,6 @@ def _check_initial_scale(initial_scale):
 def _check_dynamic(dynamic):
     if not _is_bool(dynamic):
         raise ValueError(f"`dynamic` must be a bool. Received: dynamic={dynamic!r}")
-
-
-def _check_dynamic_growth_steps(dynamic_growth_steps):
-    if (
-        _is_bool(dynamic_growth_steps)
-        or not isinstance(dynamic_growth_steps, numbers.Integral)
-        or dynamic_growth_steps < 1
-    ):
-        raise ValueError(
-            "`dynamic_growth_steps` must be an int >= 1. "
-            f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
-        )
 
 
 def _check_inner_optimizer(inner_optimizer):
@@ -189,7 +178,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         _check_inner_optimizer(inner_optimizer)
         _check_initial_scale(initial_scale)
         _check_dynamic(dynamic)
-        _check_dynamic_growth_steps(dynamic_growth_steps)
+        check_int("dynamic_growth_steps", dynamic_growth_steps, 1)
         super().__init__(
             inner_optimizer,
             initial_scale=float(initial_scale),

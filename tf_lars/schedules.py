@@ -11,7 +11,7 @@ import math
 import keras
 from keras import ops
 
-from tf_lars._validation import is_int, is_real
+from tf_lars._validation import check_int, check_positive, is_real
 
 __all__ = ["WarmupPolynomialDecay", "linear_scaled_learning_rate"]
 
@@ -47,23 +47,10 @@ def linear_scaled_learning_rate(base_learning_rate, batch_size, base_batch_size=
     >>> tf_lars.schedules.linear_scaled_learning_rate(0.1, 1024)
     0.4
     """
-    if not is_real(base_learning_rate) or not (
-        math.isfinite(base_learning_rate) and base_learning_rate > 0
-    ):
-        raise ValueError(
-            "`base_learning_rate` must be a finite number > 0. "
-            f"Received: base_learning_rate={base_learning_rate!r}"
-        )
-    if not is_int(batch_size) or batch_size < 1:
-        raise ValueError(
-            f"`batch_size` must be an int >= 1. Received: batch_size={batch_size!r}"
-        )
-    if not is_int(base_batch_size) or base_batch_size < 1:
-        raise ValueError(
-            "`base_batch_size` must be an int >= 1. "
-            f"Received: base_batch_size={base_batch_size!r}"
-        )
-    return float(base_learning_rate) * int(batch_size) / int(base_batch_size)
+    base_learning_rate = check_positive("base_learning_rate", base_learning_rate)
+    batch_size = check_int("batch_size", batch_size, 1)
+    base_batch_size = check_int("base_batch_size", base_batch_size, 1)
+    return base_learning_rate * batch_size / base_batch_size
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -133,23 +120,9 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
         name="WarmupPolynomialDecay",
     ):
         super().__init__()
-        if not is_real(peak_learning_rate) or not (
-            math.isfinite(peak_learning_rate) and peak_learning_rate > 0
-        ):
-            raise ValueError(
-                "`peak_learning_rate` must be a finite number > 0. "
-                f"Received: peak_learning_rate={peak_learning_rate!r}"
-            )
-        if not is_int(warmup_steps) or warmup_steps < 0:
-            raise ValueError(
-                "`warmup_steps` must be an int >= 0. "
-                f"Received: warmup_steps={warmup_steps!r}"
-            )
-        if not is_int(decay_steps) or decay_steps < 1:
-            raise ValueError(
-                "`decay_steps` must be an int >= 1. "
-                f"Received: decay_steps={decay_steps!r}"
-            )
+        check_positive("peak_learning_rate", peak_learning_rate)
+        check_int("warmup_steps", warmup_steps, 0)
+        check_int("decay_steps", decay_steps, 1)
         if not is_real(end_learning_rate) or not (
             math.isfinite(end_learning_rate)
             and 0 <= end_learning_rate <= peak_learning_rate
@@ -159,10 +132,7 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
                 f"[0, peak_learning_rate={peak_learning_rate!r}]. "
                 f"Received: end_learning_rate={end_learning_rate!r}"
             )
-        if not is_real(power) or not (math.isfinite(power) and power > 0):
-            raise ValueError(
-                f"`power` must be a finite number > 0. Received: power={power!r}"
-            )
+        check_positive("power", power)
         if not isinstance(name, str):
             raise ValueError(f"`name` must be a str. Received: name={name!r}")
         self.peak_learning_rate = float(peak_learning_rate)

@@ -25,6 +25,8 @@ import importlib
 import sys
 
 EXIT_USAGE = 2
+# Top-level modules of the `cli` extra (pyproject.toml).
+_CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn")
 
 _DESCRIPTION = (
     "Large-batch training experiments with tf_lars (LARS for Keras 3): "
@@ -137,6 +139,19 @@ def main(argv=None):
 
     set_tensorflow_log_level(arguments.tf_log)
     import_tensorflow()
+    try:
+        return _run(arguments)
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in _CLI_EXTRA:
+            raise
+        return _error(
+            arguments.command,
+            f'the command line needs the `cli` extra: pip install "tf_lars[cli]" '
+            f"(no module named {error.name!r})",
+        )
+
+
+def _run(arguments):
     from tf_lars.cli.config import ConfigError, load_config
     from tf_lars.cli.data import DataError
 

@@ -20,7 +20,8 @@ import os
 import sys
 import time
 
-from tf_lars.cli.config import ConfigError, dump_config, run_dir
+from tf_lars.cli.config import ConfigError, dump_config
+from tf_lars.cli.config import run_dir as _run_dir
 
 _WORKER_DATA = {}
 
@@ -43,6 +44,8 @@ def plan(config, num_train):
     Raises:
         ConfigError: a batch size larger than the training set.
     """
+    # Imported here: this module loads in fresh worker processes before
+    # `_init_worker` imports TensorFlow (quietly).
     from tf_lars.schedules import linear_scaled_learning_rate
 
     batch_sizes = []
@@ -285,7 +288,7 @@ def run(config):
     Raises:
         ConfigError, DataError: before any file is written or process started.
     """
-    run_sweep(config, run_dir(config, "sweep"))
+    run_sweep(config, _run_dir(config, "sweep"))
     return 0
 
 

@@ -215,6 +215,12 @@ def build_trial(
     """
     keras.utils.set_random_seed(seed)
     steps_per_epoch = len(data.x_train) // batch_size
+    if learning_rate is None and isinstance(
+        optimizer_block["config"].get("learning_rate"), dict
+    ):
+        learning_rate = learning_rate_schedule(
+            optimizer_block["config"]["learning_rate"], f"{key}.config.learning_rate"
+        )
     if (
         is_real(learning_rate)
         and schedule_config.get("name", "warmup_polynomial_decay")
@@ -234,7 +240,8 @@ def build_trial(
     if learning_rate is None:
         learning_rate = optimizer_block["config"].get("learning_rate")
         if learning_rate is None:
-            learning_rate = constructor_parameters(type(optimizer))["learning_rate"]
+            inner = getattr(optimizer, "inner_optimizer", optimizer)
+            learning_rate = constructor_parameters(type(inner))["learning_rate"]
     return {
         "model": model,
         "optimizer": optimizer,

@@ -14,6 +14,21 @@ from tf_lars.agn import (
 )
 
 
+def check_strategy_and_agn(strategy, agn, argument):
+    """Raises `ValueError` unless `strategy` is a parameter-server strategy and
+    `agn` (passed as `argument`) a `tf_lars.AGN` created under its scope."""
+    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        raise ValueError(
+            "`strategy` must be a `tf.distribute.ParameterServerStrategy`. "
+            f"Received: strategy={strategy!r}"
+        )
+    if not isinstance(agn, AGN) or not agn.is_parameter_server:
+        raise ValueError(
+            f"`{argument}` must be a `tf_lars.AGN` created under "
+            f"`strategy.scope()`. Received: {argument}={agn!r}"
+        )
+
+
 class ParameterServerAGN:
     """AGN's rounds on a parameter-server cluster, around a `tf_lars.AGN`.
 
@@ -62,16 +77,7 @@ class ParameterServerAGN:
     """
 
     def __init__(self, agn, strategy, model_variables=None, name=None):
-        if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
-            raise ValueError(
-                "`strategy` must be a `tf.distribute.ParameterServerStrategy`. "
-                f"Received: strategy={strategy!r}"
-            )
-        if not isinstance(agn, AGN) or not agn.is_parameter_server:
-            raise ValueError(
-                "`agn` must be a `tf_lars.AGN` created under `strategy.scope()`. "
-                f"Received: agn={agn!r}"
-            )
+        check_strategy_and_agn(strategy, agn, "agn")
         if tf.distribute.has_strategy():
             raise ValueError(
                 "Create ParameterServerAGN outside `strategy.scope()` "

@@ -19,8 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
-from tf_lars.agn import AGN
-from tf_lars.distribute.ps_agn import ParameterServerAGN
+from tf_lars.distribute.ps_agn import ParameterServerAGN, check_strategy_and_agn
 
 
 class ParameterServerFailure(RuntimeError):
@@ -245,16 +244,7 @@ class ParameterServerTrainer:
         jit_compile=True,
         log=None,
     ):
-        if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
-            raise ValueError(
-                "`strategy` must be a `tf.distribute.ParameterServerStrategy`. "
-                f"Received: strategy={strategy!r}"
-            )
-        if not isinstance(optimizer, AGN) or not optimizer.is_parameter_server:
-            raise ValueError(
-                "`optimizer` must be a `tf_lars.AGN` created under "
-                f"`strategy.scope()`. Received: optimizer={optimizer!r}"
-            )
+        check_strategy_and_agn(strategy, optimizer, "optimizer")
         if not callable(dataset_fn):
             raise ValueError(
                 f"`dataset_fn` must be callable. Received: dataset_fn={dataset_fn!r}"
