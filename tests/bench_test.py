@@ -37,6 +37,35 @@ def test_bench_runs_every_part_and_prints_tables(capsys):
     ):
         assert re.search(re.escape(row) + r"\s+\d+\.\d+\s+\d+\.\d+x", out), (row, out)
     assert out.count("Sparse step") == 2  # XLA and plain tf.function
+    for row in ("Adam", "keras Lamb", "tf_lars.LAMB(weight_decay=0.01)"):
+        assert re.search(re.escape(row) + r"\s+\d+\.\d+\s+\d+\.\d+x", out), (row, out)
+
+
+def test_bench_fit_mode_prints_throughput_rows(capsys):
+    code = bench.main(
+        [
+            "--only",
+            "fit",
+            "--fit-model",
+            "tiny",
+            "--fit-size",
+            "8",
+            "--fit-batch",
+            "4",
+            "--fit-steps",
+            "3",
+            "--fit-rounds",
+            "1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "jit_compile=False" in out
+    for row in bench.FIT_CONTENDERS:
+        assert re.search(re.escape(row) + r"\s+\d+\.\d+\s+\d+\.\d+\s+\d\.\d+x", out), (
+            row,
+            out,
+        )
 
 
 def test_bench_rejects_bad_repeats(capsys):

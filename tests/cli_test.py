@@ -686,8 +686,10 @@ def test_default_sweep_plan():
     config = load_config("sweep")
     batch_sizes, factors, tasks = plan(config, 1347)
     assert batch_sizes == [32, 64, 128, 256, 512, 1347]
-    assert factors == [0.015625, 0.0625, 0.25, 1.0, 4.0]
-    assert len(tasks) == 6 * 2 * 5
+    assert factors == [0.015625, 0.0625, 0.25, 1.0, 4.0, 16.0]
+    labels = ["SGD-momentum", "LARS", "Nesterov", "AdamW", "LAMB"]
+    assert [entry["label"] for entry in config["optimizers"]] == labels
+    assert len(tasks) == 6 * 5 * 6
     lars_full = [t for t in tasks if t["label"] == "LARS" and t["batch_size"] == 1347]
     np.testing.assert_allclose(
         [t["learning_rate"] for t in lars_full],
@@ -753,10 +755,12 @@ def test_summary_and_table_values():
     # Columns are padded to a common width on every line.
     assert len({len(line) for line in lines}) == 1
     cells = [c.strip() for c in lines[2].split("|")[1:-1]]
+    # LARS's best point at 32 is the grid's smallest rate: marked EDGE.
+    assert summary["LARS"][32]["edge"] and not summary["SGD"][32]["edge"]
     assert cells == ["32", "420", "97.0 (lr 0.1)", "97.0 (lr 0.1)",
-                     "98.0 (lr 0.1)", "98.1 (lr 0.05)"]  # fmt: skip
+                     "98.0 (lr 0.1)", "98.1 (lr 0.05) EDGE"]  # fmt: skip
     cells = [c.strip() for c in lines[3].split("|")[1:-1]]
-    assert cells == ["1347", "10", "diverged (lr 4.21)", "60.0 (lr 2.1)",
+    assert cells == ["1347", "10", "diverged (lr 4.21)", "60.0 (lr 2.1) EDGE",
                      "99.0 (lr 4.21)", "99.0 (lr 4.21)"]  # fmt: skip
     # A collapsed run is labelled; the NaN-accuracy diverged run never wins.
     summary["SGD"][1347]["best"] = results[5]
@@ -784,26 +788,25 @@ def test_sweep_end_to_end_in_two_processes(tmp_path, capsys):
     assert results["workers"] == 2
     assert results["batch_sizes"] == [512, 1347]
     runs = results["runs"]
-    assert len(runs) == 8
+    labels = ["SGD-momentum", "LARS", "Nesterov", "AdamW", "LAMB"]
+    base = {"SGD-momentum": 0.1, "LARS": 0.1, "Nesterov": 0.1}
+    assert len(runs) == 20
     assert {(r["label"], r["batch_size"], r["factor"]) for r in runs} == {
-        (label, b, f)
-        for label in ("SGD-momentum", "LARS")
-        for b in (512, 1347)
-        for f in (0.5, 1.0)
+        (label, b, f) for label in labels for b in (512, 1347) for f in (0.5, 1.0)
     }
     for run in runs:
         assert run["epochs_run"] == 2
         assert run["steps_per_epoch"] == 1347 // run["batch_size"]
         assert run["learning_rate"] == pytest.approx(
-            0.1 * run["batch_size"] / 32 * run["factor"]
+            base.get(run["label"], 0.001) * run["batch_size"] / 32 * run["factor"]
         )
         assert 0.0 <= run["test_accuracy"] <= 1.0
     table = (run_dir / "table.md").read_text().strip()
     assert table in out
-    summary = summarize([512, 1347], ["SGD-momentum", "LARS"], runs)
-    assert format_table([512, 1347], ["SGD-momentum", "LARS"], summary, 2) == table
-    assert out.count("] SGD-momentum") + out.count("] LARS") == 8  # progress lines
-    assert "[8/8]" in out
+    summary = summarize([512, 1347], labels, runs)
+    assert format_table([512, 1347], labels, summary, 2) == table
+    assert sum(out.count(f"] {label} ") for label in labels) == 20  # progress lines
+    assert "[20/20]" in out
     _assert_png(run_dir / "sweep.png")
 
 

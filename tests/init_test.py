@@ -43,8 +43,10 @@ def test_all_is_sorted_and_every_name_is_registered():
     assert tf_lars.__all__ == sorted(tf_lars.__all__)
     assert tf_lars.__all__ == [
         "AGN",
+        "LAMB",
         "LARS",
         "LossScaleOptimizer",
+        "TrustRatio",
         "WarmupPolynomialDecay",
     ]
     assert tf_lars.__version__ == "0.1.0"

@@ -20,8 +20,10 @@ __version__ = "0.1.0"
 # Public name -> defining module. Sorted by name; one line per name.
 _PUBLIC = {
     "AGN": "tf_lars.agn",
+    "LAMB": "tf_lars.lamb",
     "LARS": "tf_lars.lars",
     "LossScaleOptimizer": "tf_lars.loss_scale",
+    "TrustRatio": "tf_lars.trust_ratio",
     "WarmupPolynomialDecay": "tf_lars.schedules",
     "callbacks": "tf_lars.callbacks",
     "schedules": "tf_lars.schedules",
@@ -29,15 +31,24 @@ _PUBLIC = {
 
 # The public classes, sorted (the submodules `callbacks` and `schedules` load
 # with them).
-__all__ = ["AGN", "LARS", "LossScaleOptimizer", "WarmupPolynomialDecay"]
+__all__ = [
+    "AGN",
+    "LAMB",
+    "LARS",
+    "LossScaleOptimizer",
+    "TrustRatio",
+    "WarmupPolynomialDecay",
+]
 
 if TYPE_CHECKING:  # What the loading below binds, spelled out.
     from tf_lars import callbacks as callbacks
     from tf_lars import schedules as schedules
     from tf_lars.agn import AGN
+    from tf_lars.lamb import LAMB
     from tf_lars.lars import LARS
     from tf_lars.loss_scale import LossScaleOptimizer
     from tf_lars.schedules import WarmupPolynomialDecay
+    from tf_lars.trust_ratio import TrustRatio
 
 
 def __getattr__(name):

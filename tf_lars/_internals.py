@@ -46,6 +46,17 @@ The accesses:
    arguments (`clipnorm`, `use_ema`, ...); LARS's docstring includes it. Keras
    exports it nowhere public. Read inside a `try`: if Keras moves it, a short
    pointer stands in and `import tf_lars` still works.
+7. `build_from_local_batch(model)` (overrides the instance's
+   `Model._maybe_symbolic_build` and calls `Model._symbolic_build`, both
+   `keras.src.backend.tensorflow.trainer` / `keras.src.trainers.trainer`):
+   Keras 3.15's `model.fit`/`evaluate` under `MultiWorkerMirroredStrategy`
+   first pass a tuple of `PerReplica` batches to `strategy.reduce("MEAN",
+   ...)` only to learn their shapes, and the collective cross-device ops
+   cannot reduce a tuple ("Attempt to convert a value (PerReplica...) to a
+   Tensor"). The override builds from this worker's first local batch (only
+   shapes and dtypes matter). There is no public hook: the reduction runs
+   before Keras checks whether anything needs building. Used only by
+   `tf_lars.distribute.enable_multi_worker_fit`, which users call explicitly.
 """
 
 import contextlib
@@ -269,3 +280,37 @@ def base_optimizer_keyword_args():
             "(`clipnorm`, `use_ema`, ...)."
         )
     return text
+
+
+# 7 ---------------------------------------------------------------------------
+
+
+def build_from_local_batch(model):
+    """Makes `model` build its state from a local batch, not a reduced one.
+
+    Sets an instance attribute that replaces Keras's `_maybe_symbolic_build`
+    for this model only: the first batch of the distributed iterator is
+    taken, each `DistributedValues` replaced by this worker's first local
+    value, and Keras's own `_symbolic_build` runs on it in the strategy's
+    scope. The class and other models are unchanged.
+    """
+    strategy = model.distribute_strategy
+
+    def first_local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    def local_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            # Keras's epoch iterator yields (begin, end, tf iterator).
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+        if data_batch is not None:
+            data_batch = tf.nest.map_structure(first_local, data_batch)
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = local_symbolic_build
+    return model

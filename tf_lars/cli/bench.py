@@ -87,47 +87,16 @@ def _done(result):
     return result.numpy()
 
 
-def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=True):
-    import keras
+def _interleaved(steps, repeats, warmup, rounds=3):
+    """Times `{name: (step, grads)}` in interleaved rounds.
 
-    import tf_lars
-    from tf_lars import _lars_fast
-
-    results = {}
-    contenders = {
-        "SGD(momentum=0.9)": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-        "LARS(weight_decay=1e-4)": lambda: tf_lars.LARS(
-            0.1, momentum=0.9, weight_decay=1e-4
-        ),
-        "LARS(weight_decay=0)": lambda: tf_lars.LARS(0.1, momentum=0.9),
-    }
-    steps = {}
-    for name, make in contenders.items():
-        variables, grads = _dense_problem(shapes)
-        step = _compiled_apply(make(), variables)
-        _done(step(grads))  # traced and compiled here, with the norms as set
-        steps[name] = (step, grads, variables)
-    if include_reference_norms:
-        # The same LARS with each norm as one `reduce_sum(square(x))`: what
-        # `tf_lars._lars_fast` replaces (its docstring says why).
-        _lars_fast.FOLD_INTO_MATVEC = False
-        try:
-            variables, grads = _dense_problem(shapes)
-            optimizer = tf_lars.LARS(0.1, momentum=0.9, weight_decay=1e-4)
-            step = _compiled_apply(optimizer, variables)
-            _done(step(grads))
-            steps["LARS(weight_decay=1e-4), reduce_sum norms"] = (
-                step,
-                grads,
-                variables,
-            )
-        finally:
-            _lars_fast.FOLD_INTO_MATVEC = True
-    # Interleave the timing so that drift in machine load hits both alike.
+    Returns `{name: (median, low, high)}`: the median over rounds of each
+    round's median step, and the lowest and highest round medians (the
+    spread that drifting machine load leaves).
+    """
     samples = {name: [] for name in steps}
-    rounds = 3
     for _ in range(rounds):
-        for name, (step, grads, _variables) in steps.items():
+        for name, (step, grads) in steps.items():
             samples[name].append(
                 _median_seconds(
                     lambda s=step, g=grads: _done(s(g)),
@@ -135,8 +104,56 @@ def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=
                     warmup,
                 )
             )
-    for name, values in samples.items():
-        results[name] = statistics.median(values)
+    return {
+        name: (statistics.median(values), min(values), max(values))
+        for name, values in samples.items()
+    }
+
+
+def _compiled_steps(contenders, shapes):
+    steps = {}
+    for name, make in contenders.items():
+        variables, grads = _dense_problem(shapes)
+        step = _compiled_apply(make(), variables)
+        _done(step(grads))  # traced and compiled here, with the norms as set
+        steps[name] = (step, grads)
+    return steps
+
+
+def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=True):
+    """SGD-momentum against LARS, XLA-compiled `apply` on `shapes`."""
+    import keras
+
+    import tf_lars
+    from tf_lars import _lars_fast
+
+    contenders = {
+        "SGD(momentum=0.9)": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "LARS(weight_decay=1e-4)": lambda: tf_lars.LARS(
+            0.1, momentum=0.9, weight_decay=1e-4
+        ),
+        "LARS(weight_decay=0)": lambda: tf_lars.LARS(0.1, momentum=0.9),
+    }
+    steps = _compiled_steps(contenders, shapes)
+    if include_reference_norms:
+        # The same LARS with each norm as one `reduce_sum(square(x))`: what
+        # `tf_lars._lars_fast` replaces (its docstring says why).
+        _lars_fast.FOLD_INTO_MATVEC = False
+        try:
+            steps.update(
+                _compiled_steps(
+                    {
+                        "LARS(weight_decay=1e-4), reduce_sum norms": contenders[
+                            "LARS(weight_decay=1e-4)"
+                        ]
+                    },
+                    shapes,
+                )
+            )
+        finally:
+            _lars_fast.FOLD_INTO_MATVEC = True
+    # Interleave the timing so that drift in machine load hits them alike.
+    results = _interleaved(steps, repeats, warmup)
     if include_optax:
         optax_time = _bench_optax(shapes, repeats, warmup)
         if optax_time is not None:
@@ -144,7 +161,29 @@ def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=
     return results
 
 
-def _bench_optax(shapes, repeats, warmup):
+def bench_adaptive(shapes, repeats, warmup, include_optax):
+    """Adam against Keras's Lamb and tf_lars.LAMB, XLA-compiled `apply`."""
+    import keras
+
+    import tf_lars
+
+    contenders = {
+        "Adam": lambda: keras.optimizers.Adam(1e-3),
+        "keras Lamb": lambda: keras.optimizers.Lamb(1e-3),
+        "tf_lars.LAMB(weight_decay=0.01)": lambda: tf_lars.LAMB(
+            1e-3, weight_decay=0.01
+        ),
+        "tf_lars.LAMB(weight_decay=0)": lambda: tf_lars.LAMB(1e-3),
+    }
+    results = _interleaved(_compiled_steps(contenders, shapes), repeats, warmup)
+    if include_optax:
+        optax_time = _bench_optax(shapes, repeats, warmup, lamb=True)
+        if optax_time is not None:
+            results["optax.lamb (JAX, jit)"] = optax_time
+    return results
+
+
+def _bench_optax(shapes, repeats, warmup, lamb=False):
     try:
         import jax
         import jax.numpy as jnp
@@ -156,7 +195,10 @@ def _bench_optax(shapes, repeats, warmup):
     rng = np.random.default_rng(0)
     params = [jnp.asarray(rng.normal(scale=0.05, size=s), jnp.float32) for s in shapes]
     grads = [jnp.asarray(rng.normal(scale=1e-3, size=s), jnp.float32) for s in shapes]
-    optimizer = optax.lars(0.1, weight_decay=1e-4, momentum=0.9)
+    if lamb:
+        optimizer = optax.lamb(1e-3, weight_decay=0.01)
+    else:
+        optimizer = optax.lars(0.1, weight_decay=1e-4, momentum=0.9)
     state = optimizer.init(params)
 
     @jax.jit
@@ -222,13 +264,154 @@ def bench_sparse(rows, width, touched, repeats, warmup, jit_compile):
     return results
 
 
+FIT_CONTENDERS = (
+    "SGD(momentum=0.9)",
+    "LARS(weight_decay=1e-4)",
+    "Adam",
+    "keras Lamb",
+    "tf_lars.LAMB(weight_decay=0.01)",
+)
+
+
+def _fit_optimizer(name):
+    import keras
+
+    import tf_lars
+
+    return {
+        "SGD(momentum=0.9)": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "LARS(weight_decay=1e-4)": lambda: tf_lars.LARS(
+            0.1, momentum=0.9, weight_decay=1e-4
+        ),
+        "Adam": lambda: keras.optimizers.Adam(1e-3),
+        "keras Lamb": lambda: keras.optimizers.Lamb(1e-3),
+        "tf_lars.LAMB(weight_decay=0.01)": lambda: tf_lars.LAMB(
+            1e-3, weight_decay=0.01
+        ),
+    }[name]()
+
+
+def _fit_model(model, size):
+    import keras
+
+    if model == "resnet50":
+        return keras.applications.ResNet50(
+            weights=None,
+            input_shape=(size, size, 3),
+            classes=10,
+            classifier_activation=None,
+        )
+    return keras.Sequential(
+        [
+            keras.Input((size, size, 3)),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def bench_fit(model, size, batch, steps, rounds, jit_compile):
+    """`model.fit` throughput (examples/s) per optimizer, interleaved rounds.
+
+    Every optimizer trains its own copy of the same model (same seed) on the
+    same random data; each round runs one `fit` of `steps` batches per
+    optimizer, in turn, and keeps the median time between consecutive batch
+    starts (the first batch of a `fit`, which also sets up the input, is
+    left out). Returns `{name: (median, low, high)}` in seconds per step
+    over the rounds' medians.
+    """
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * steps, size, size, 3)).astype("float32")
+    y = rng.integers(0, 10, size=batch * steps)
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.starts = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, logs=None):
+            self.starts.append(time.perf_counter())
+
+    models = {}
+    for name in FIT_CONTENDERS:
+        keras.utils.set_random_seed(0)
+        network = _fit_model(model, size)
+        network.compile(
+            optimizer=_fit_optimizer(name),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        # Traces (and with XLA compiles) the train step.
+        network.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, verbose=0)
+        models[name] = network
+    samples = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, network in models.items():
+            timer = Timer()
+            network.fit(
+                x,
+                y,
+                batch_size=batch,
+                epochs=1,
+                verbose=0,
+                shuffle=False,
+                callbacks=[timer],
+            )
+            gaps = [b - a for a, b in zip(timer.starts[1:], timer.starts[2:])]
+            samples[name].append(statistics.median(gaps))
+    return {
+        name: (statistics.median(values), min(values), max(values))
+        for name, values in samples.items()
+    }
+
+
+def _seconds(value):
+    """`(median, low, high)` from a row: a tuple, or one sequential median."""
+    if isinstance(value, tuple):
+        return value
+    return value, None, None
+
+
 def _print_table(title, rows, baseline):
     print(f"\n{title}")
     width = max(len(name) for name in rows) + 2
-    print(f"{'':{width}}{'median step (ms)':>18}{'ratio':>10}")
-    for name, seconds in rows.items():
-        ratio = seconds / rows[baseline]
-        print(f"{name:{width}}{seconds * 1e3:>18.2f}{ratio:>10.2f}x")
+    print(f"{'':{width}}{'median step (ms)':>18}{'ratio':>10}{'spread (ms)':>22}")
+    base = _seconds(rows[baseline])[0]
+    for name, value in rows.items():
+        seconds, low, high = _seconds(value)
+        spread = "" if low is None else f"{low * 1e3:.2f}-{high * 1e3:.2f}"
+        print(
+            f"{name:{width}}{seconds * 1e3:>18.2f}{seconds / base:>10.2f}x{spread:>22}"
+        )
+
+
+def _print_fit_table(title, rows, batch):
+    print(f"\n{title}")
+    width = max(len(name) for name in rows) + 2
+    print(
+        f"{'':{width}}{'examples/s':>12}{'step (ms)':>12}"
+        f"{'vs baseline':>13}{'spread (examples/s)':>22}"
+    )
+    for baseline, group in (
+        ("SGD(momentum=0.9)", FIT_CONTENDERS[:2]),
+        ("Adam", FIT_CONTENDERS[2:]),
+    ):
+        for name in group:
+            seconds, low, high = rows[name]
+            ratio = rows[baseline][0] / seconds
+            spread = f"{batch / high:.1f}-{batch / low:.1f}"
+            print(
+                f"{name:{width}}{batch / seconds:>12.1f}{seconds * 1e3:>12.1f}"
+                f"{ratio:>12.3f}x{spread:>22}"
+            )
 
 
 def main(argv=None):
@@ -248,15 +431,33 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument(
         "--only",
-        choices=["dense", "eager", "sparse"],
+        choices=["dense", "adaptive", "eager", "sparse", "fit"],
         action="append",
-        help="run only these parts (repeatable); default: all",
+        help="run only these parts (repeatable); default: all but fit",
     )
     parser.add_argument(
         "--model",
         choices=["resnet50", "tiny"],
         default="resnet50",
         help="variable shapes for the dense parts (tiny: a smoke test)",
+    )
+    parser.add_argument(
+        "--fit-model",
+        choices=["resnet50", "tiny"],
+        default="resnet50",
+        help="fit: keras.applications.ResNet50(weights=None), or a tiny CNN",
+    )
+    parser.add_argument("--fit-size", type=int, default=64, help="fit: image side")
+    parser.add_argument("--fit-batch", type=int, default=32, help="fit: batch size")
+    parser.add_argument(
+        "--fit-steps", type=int, default=8, help="fit: batches per fit (>= 3)"
+    )
+    parser.add_argument("--fit-rounds", type=int, default=3, help="fit: rounds")
+    parser.add_argument(
+        "--fit-jit",
+        choices=["off", "on", "both"],
+        default="off",
+        help="fit: jit_compile=False (Keras's CPU default), True, or both",
     )
     parser.add_argument("--rows", type=int, default=1_000_000, help="embedding rows")
     parser.add_argument("--width", type=int, default=64, help="embedding width")
@@ -276,7 +477,13 @@ def main(argv=None):
             "--repeats must be >= 1 and --warmup >= 0. "
             f"Received: --repeats {args.repeats} --warmup {args.warmup}"
         )
-    parts = args.only or ["dense", "eager", "sparse"]
+    if args.fit_steps < 3 or args.fit_rounds < 1 or args.fit_batch < 1:
+        parser.error(
+            "--fit-steps must be >= 3, --fit-rounds >= 1 and --fit-batch >= 1. "
+            f"Received: --fit-steps {args.fit_steps} --fit-rounds "
+            f"{args.fit_rounds} --fit-batch {args.fit_batch}"
+        )
+    parts = args.only or ["dense", "adaptive", "eager", "sparse"]
 
     from tf_lars.cli import import_tensorflow, set_tensorflow_log_level
 
@@ -289,7 +496,7 @@ def main(argv=None):
         flush=True,
     )
     shapes = None
-    if "dense" in parts or "eager" in parts:
+    if "dense" in parts or "adaptive" in parts or "eager" in parts:
         shapes = resnet50_shapes() if args.model == "resnet50" else TINY_SHAPES
         parameters = sum(math.prod(s) for s in shapes)
         print(
@@ -303,6 +510,15 @@ def main(argv=None):
             f"Dense step, {args.model} shapes, tf.function(jit_compile=True) of apply",
             rows,
             "SGD(momentum=0.9)",
+        )
+    if "adaptive" in parts:
+        print("\nadaptive: timing Adam, Keras Lamb and LAMB (XLA) ...", flush=True)
+        rows = bench_adaptive(shapes, args.repeats, args.warmup, not args.no_optax)
+        _print_table(
+            f"Adaptive dense step, {args.model} shapes, "
+            "tf.function(jit_compile=True) of apply",
+            rows,
+            "Adam",
         )
     if "eager" in parts:
         print("\neager: timing eager apply, op by op and compiled ...", flush=True)
@@ -328,6 +544,30 @@ def main(argv=None):
                 f"{args.touched} touched rows, {mode}",
                 rows,
                 "LARS sparse",
+            )
+    if "fit" in parts:
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.fit_jit]
+        for jit_compile in modes:
+            print(
+                f"\nfit: model.fit throughput, {args.fit_model} "
+                f"{args.fit_size}x{args.fit_size}, batch {args.fit_batch}, "
+                f"jit_compile={jit_compile} ...",
+                flush=True,
+            )
+            rows = bench_fit(
+                args.fit_model,
+                args.fit_size,
+                args.fit_batch,
+                args.fit_steps,
+                args.fit_rounds,
+                jit_compile,
+            )
+            _print_fit_table(
+                f"model.fit, {args.fit_model} {args.fit_size}x{args.fit_size}, "
+                f"batch {args.fit_batch}, jit_compile={jit_compile}, "
+                f"{args.fit_rounds} rounds of {args.fit_steps} steps",
+                rows,
+                args.fit_batch,
             )
     return 0
 

@@ -1,4 +1,4 @@
-"""`tf-lars sweep`: accuracy against batch size, SGD vs LARS.
+"""`tf-lars sweep`: accuracy against batch size, one column pair per optimizer.
 
 For every batch size and every configured optimizer, the learning rate is
 scaled linearly from `sweep.base_batch_size` (`base_learning_rate * batch /
@@ -226,7 +226,15 @@ def summarize(batch_sizes, labels, results):
                     -r["learning_rate"],
                 ),
             )
-            summary[label][batch_size] = {"linear": linear, "best": best}
+            factors = [r["factor"] for r in runs]
+            summary[label][batch_size] = {
+                "linear": linear,
+                "best": best,
+                # The best point is the grid's smallest or largest rate: the
+                # grid may not reach this optimizer's best rate.
+                "edge": len(factors) > 1
+                and best["factor"] in (min(factors), max(factors)),
+            }
     return summary
 
 
@@ -258,10 +266,9 @@ def format_table(batch_sizes, labels, summary, epochs):
         first = summary[labels[0]][batch_size]["linear"]
         row = [str(batch_size), str(first["steps_per_epoch"] * epochs)]
         for label in labels:
-            row += [
-                _cell(summary[label][batch_size]["linear"]),
-                _cell(summary[label][batch_size]["best"]),
-            ]
+            cell = summary[label][batch_size]
+            best = _cell(cell["best"]) + (" EDGE" if cell.get("edge") else "")
+            row += [_cell(cell["linear"]), best]
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -392,7 +399,8 @@ def run_sweep(config, run_dir, out=print):
     out(
         "collapsed = training loss stuck at chance level (constant prediction); "
         "diverged = loss became NaN/inf. Best of grid = highest test accuracy "
-        "among the grid points (an optimistic, oracle choice)."
+        "among the grid points (an optimistic, oracle choice); EDGE = that "
+        "point is the grid's smallest or largest rate."
     )
     out("")
     out(

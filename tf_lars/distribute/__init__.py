@@ -5,6 +5,10 @@
 - `serve`, `connect`, `in_process_cluster`: start tasks and the coordinator.
 - `ParameterServerTrainer`, `ParameterServerFailure`: the AGN training loop.
 - `ParameterServerAGN`: the worker side of a `tf_lars.AGN` (the trainer's).
+- `enable_multi_worker_fit`, `multi_worker_strategy`, `is_chief`:
+  synchronous training on `MultiWorkerMirroredStrategy`.
+- `run_main(main)`: one line and exit status 2 for a bad `TF_CONFIG`, 3 for
+  a lost parameter server.
 - `python -m tf_lars.distribute.launch`: a local multi-process cluster that
   runs a training script (`-- examples/agn_digits.py ...`) or `-m module`.
 
@@ -14,6 +18,7 @@ imports it.
 TensorFlow is imported lazily, on first use of a name that needs it.
 """
 
+from tf_lars.distribute.run import run_main
 from tf_lars.distribute.tf_config import TFConfig, TFConfigError, parse_tf_config
 
 _LAZY = {
@@ -24,6 +29,9 @@ _LAZY = {
     "ParameterServerAGN": "tf_lars.distribute.ps_agn",
     "ParameterServerTrainer": "tf_lars.distribute.trainer",
     "ParameterServerFailure": "tf_lars.distribute.trainer",
+    "enable_multi_worker_fit": "tf_lars.distribute.multi_worker",
+    "multi_worker_strategy": "tf_lars.distribute.multi_worker",
+    "is_chief": "tf_lars.distribute.multi_worker",
 }
 
 __all__ = [
@@ -33,9 +41,13 @@ __all__ = [
     "TFConfig",
     "TFConfigError",
     "connect",
+    "enable_multi_worker_fit",
     "in_process_cluster",
+    "is_chief",
+    "multi_worker_strategy",
     "parse_tf_config",
     "pick_free_port",
+    "run_main",
     "serve",
 ]
 

@@ -238,6 +238,11 @@ def _parse_task_list(text, cluster):
     for item in text.split(","):
         item = item.strip()
         task_type, _, index = item.partition(":")
+        if index and not index.isdigit():
+            raise tf_config_lib.TFConfigError(
+                f"`--tasks` names {item!r}: the index after ':' must be a "
+                "non-negative int, e.g. 'worker:0'."
+            )
         index = int(index) if index else 0
         if task_type not in cluster or not 0 <= index < len(cluster[task_type]):
             raise tf_config_lib.TFConfigError(

@@ -47,6 +47,7 @@ class TFConfig:
     task_type: str
     task_index: int
     rpc_layer: str = "grpc"
+    mode: str = "ps"
 
     @property
     def address(self):
@@ -64,7 +65,7 @@ class TFConfig:
 
     @property
     def num_ps(self):
-        return len(self.cluster["ps"])
+        return len(self.cluster.get("ps", []))
 
     def to_json(self):
         """The `TF_CONFIG` string for this task."""
@@ -85,7 +86,8 @@ class TFConfig:
                     "task": {"type": task_type, "index": task_index},
                     "rpc_layer": self.rpc_layer,
                 }
-            )
+            ),
+            mode=self.mode,
         )
 
 
@@ -126,7 +128,7 @@ def split_address(address):
 def is_local_address(address):
     """Whether `"host:port"` names this machine's loopback interface."""
     host, _ = split_address(address)
-    if host in _LOCAL_HOSTS:
+    if host.lower() in _LOCAL_HOSTS:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -134,8 +136,28 @@ def is_local_address(address):
         return False
 
 
-def validate_cluster(cluster):
-    """Checks a parameter-server cluster dict and returns a normalized copy.
+def _socket_key(host, port):
+    # On one machine `localhost:2002` and `127.0.0.1:2002` are one socket:
+    # every loopback name counts as the same host (names are case-blind).
+    host = host.lower()
+    if host in _LOCAL_HOSTS:
+        return ("<loopback>", port)
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return ("<loopback>", port)
+    except ValueError:
+        pass
+    return (host, port)
+
+
+def validate_cluster(cluster, mode="ps"):
+    """Checks a cluster dict and returns a normalized copy.
+
+    Args:
+        cluster: dict from task type to addresses.
+        mode: "ps" (parameter servers: one chief, workers, ps) or "sync"
+            (`MultiWorkerMirroredStrategy`: workers, at most one chief, no
+            ps). Defaults to "ps".
 
     Raises:
         TFConfigError: on an unknown task type, a missing chief, worker or ps,
@@ -145,6 +167,14 @@ def validate_cluster(cluster):
         raise TFConfigError(
             "`cluster` must be a non-empty object mapping task types to lists "
             f"of 'host:port' addresses. Received: cluster={_short(cluster)!r}"
+        )
+    if mode not in ("ps", "sync"):
+        raise ValueError(f"`mode` must be 'ps' or 'sync'. Received: mode={mode!r}")
+    if mode == "sync" and "ps" in cluster:
+        raise TFConfigError(
+            "The cluster has 'ps' tasks, but synchronous multi-worker training "
+            "(MultiWorkerMirroredStrategy) uses only 'worker' tasks (and at "
+            "most one 'chief'); remove 'ps' or use parameter-server training."
         )
     unknown = sorted(set(cluster) - set(TASK_TYPES))
     if unknown:
@@ -156,6 +186,8 @@ def validate_cluster(cluster):
     seen = {}
     for task_type in TASK_TYPES:
         addresses = cluster.get(task_type)
+        if addresses is None and mode == "sync" and task_type != "worker":
+            continue
         if addresses is None:
             raise TFConfigError(
                 f"The cluster has no '{task_type}' task; parameter-server training "
@@ -183,7 +215,7 @@ def validate_cluster(cluster):
             )
         for index, address in enumerate(addresses):
             host, port = split_address(address)
-            key = (host, port)
+            key = _socket_key(host, port)
             if key in seen:
                 raise TFConfigError(
                     f"Address {address!r} is used by both {seen[key]} and "
@@ -191,6 +223,13 @@ def validate_cluster(cluster):
                 )
             seen[key] = f"{task_type}:{index}"
         normalized[task_type] = list(addresses)
+    if mode == "sync":
+        if len(normalized.get("chief", [])) > 1:
+            raise TFConfigError(
+                "The cluster may have at most one 'chief'. "
+                f"Received {len(normalized['chief'])}."
+            )
+        return normalized
     if len(normalized["chief"]) != 1:
         raise TFConfigError(
             "The cluster must have exactly one 'chief' (it runs the coordinator). "
@@ -199,7 +238,7 @@ def validate_cluster(cluster):
     return normalized
 
 
-def parse_tf_config(text=None, environ=None):
+def parse_tf_config(text=None, environ=None, mode="ps"):
     """Parses and validates a `TF_CONFIG` JSON string.
 
     Args:
@@ -207,6 +246,9 @@ def parse_tf_config(text=None, environ=None):
             Defaults to None.
         environ: mapping or None, the environment to read; `None` is
             `os.environ`. Defaults to None.
+        mode: "ps" (parameter-server training) or "sync"
+            (`MultiWorkerMirroredStrategy`: workers only, no `ps`). Defaults
+            to "ps".
 
     Returns:
         A `TFConfig`.
@@ -241,7 +283,7 @@ def parse_tf_config(text=None, environ=None):
         raise TFConfigError(
             f"TF_CONFIG has no 'cluster'. Received: TF_CONFIG={_short(text)!r}"
         )
-    cluster = validate_cluster(config["cluster"])
+    cluster = validate_cluster(config["cluster"], mode)
     task = config.get("task")
     if not isinstance(task, dict) or "type" not in task:
         raise TFConfigError(
@@ -254,7 +296,12 @@ def parse_tf_config(text=None, environ=None):
             f"TF_CONFIG names task type {task_type!r}, which does not exist in "
             f"the cluster (task types: {sorted(cluster)})."
         )
-    task_index = task.get("index", 0)
+    if "index" not in task:
+        raise TFConfigError(
+            "TF_CONFIG's 'task' must have an 'index' (the task's position in "
+            f"its list). Received: task={_short(task)!r}"
+        )
+    task_index = task["index"]
     if isinstance(task_index, str) and task_index.isdigit():
         task_index = int(task_index)
     if (
@@ -271,4 +318,4 @@ def parse_tf_config(text=None, environ=None):
         raise TFConfigError(
             f"`rpc_layer` must be 'grpc'. Received: rpc_layer={rpc_layer!r}"
         )
-    return TFConfig(cluster, task_type, task_index, rpc_layer)
+    return TFConfig(cluster, task_type, task_index, rpc_layer, mode)

@@ -1,0 +1,181 @@
+"""Runs as one worker of a 2-worker MWMS cluster, or alone (no TF_CONFIG).
+
+Writes `<out>/<mode>.npz` with the final weights of each case (the same
+global batches in both modes) and, under MWMS, the text of the upstream
+Keras failure that `enable_multi_worker_fit` works around.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_lars  # noqa: E402
+from tf_lars import distribute  # noqa: E402
+
+GLOBAL_BATCH = 16
+STEPS = 4
+
+
+def lars():
+    return tf_lars.LARS(
+        learning_rate=0.5, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.02
+    )
+
+
+def dense_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def embedding_model():
+    keras.utils.set_random_seed(4)
+    return keras.Sequential(
+        [
+            keras.Input((3,), dtype="int32"),
+            keras.layers.Embedding(20, 4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(GLOBAL_BATCH * STEPS, 6)).astype("float32")
+Y = (X @ rng.normal(size=(6, 1))).astype("float32")
+IDS = rng.integers(0, 20, size=(GLOBAL_BATCH * STEPS, 3)).astype("int32")
+YE = rng.normal(size=(GLOBAL_BATCH * STEPS, 1)).astype("float32")
+
+
+def dataset(x, y):
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    return data.with_options(options)
+
+
+# Mixed precision: one target of the third batch makes the scaled loss's
+# gradient overflow float16. It sits
+# in one half of that global batch, which one worker receives, so only that
+# worker computes a non-finite gradient; both must skip that step.
+YM = Y.copy()
+YM[2 * GLOBAL_BATCH + 12] = 6e4
+
+
+def mixed_model():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(8),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+
+
+def mixed_fit_case(strategy):
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            model = mixed_model()
+            optimizer = tf_lars.LossScaleOptimizer(lars(), initial_scale=256.0)
+            model.compile(optimizer, "mse")
+        distribute.enable_multi_worker_fit(model)
+        model.fit(dataset(X, YM), epochs=1, verbose=0, shuffle=False)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    state = np.asarray(
+        [float(optimizer.loss_scale), float(optimizer.skipped_steps)], "float64"
+    )
+    return weights(model).astype("float32"), state
+
+
+def weights(model):
+    return np.concatenate([np.ravel(v.numpy()) for v in model.weights])
+
+
+def fit_case(strategy, make_model, x, y, workaround=True):
+    with strategy.scope():
+        model = make_model()
+        model.compile(lars(), "mse")
+    if workaround:
+        distribute.enable_multi_worker_fit(model)
+    history = model.fit(dataset(x, y), epochs=2, verbose=0, shuffle=False)
+    return weights(model), np.asarray(history.history["loss"])
+
+
+def custom_loop_case(strategy, make_model, x, y):
+    with strategy.scope():
+        model = make_model()
+        optimizer = lars()
+        optimizer.build(model.trainable_variables)
+    sparse = []
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(model(xb) - yb), axis=1)
+            loss = tf.nn.compute_average_loss(
+                per_example, global_batch_size=GLOBAL_BATCH
+            )
+        grads = tape.gradient(loss, model.trainable_variables)
+        sparse.append([isinstance(g, tf.IndexedSlices) for g in grads])
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def train(iterator):
+        xb, yb = next(iterator)
+        strategy.run(step, args=(xb, yb))
+
+    iterator = iter(strategy.experimental_distribute_dataset(dataset(x, y)))
+    for _ in range(STEPS):
+        train(iterator)
+    return weights(model), np.asarray(sparse[0])
+
+
+def main(out):
+    multi = "TF_CONFIG" in os.environ
+    if multi:
+        config = distribute.parse_tf_config(mode="sync")
+        strategy = distribute.multi_worker_strategy(config, communication_timeout=60)
+        mode = f"worker{config.task_index}"
+    else:
+        strategy = tf.distribute.get_strategy()
+        mode = "single"
+    results = {}
+    if multi:
+        try:
+            fit_case(strategy, dense_model, X, Y, workaround=False)
+            results["upstream_error"] = np.asarray("")
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            results["upstream_error"] = np.asarray(f"{type(error).__name__}: {error}")
+    results["dense"], results["dense_loss"] = fit_case(strategy, dense_model, X, Y)
+    results["embedding"], results["embedding_loss"] = fit_case(
+        strategy, embedding_model, IDS, YE
+    )
+    results["loop_dense"], _ = custom_loop_case(strategy, dense_model, X, Y)
+    results["loop_embedding"], results["loop_sparse"] = custom_loop_case(
+        strategy, embedding_model, IDS, YE
+    )
+    results["mixed"], results["mixed_state"] = mixed_fit_case(strategy)
+    np.savez(os.path.join(out, f"{mode}.npz"), **results)
+    print(f"[script] {mode} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,400 @@
+"""Tests for tf_lars.LAMB: one test per row of the LAMB table in
+docs/algorithms.md ("TrustRatio and LAMB"), each against an independent
+NumPy transcription of that project's update (tests/lamb_reference.py)."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_lars
+from tests import lamb_reference as ref
+from tf_lars.lars import ALL_1D
+
+SHAPES = [(), (5,), (4, 3), (2, 3, 2, 3)]
+STEPS = 4
+LR = 2.0**-4  # exact in float32: the references use the same rate
+
+
+def _problem(dtype, seed=0, scale=0.1):
+    rng = np.random.default_rng(seed)
+    weights = [rng.normal(size=s).astype(dtype) for s in SHAPES]
+    grads = [
+        [rng.normal(scale=scale, size=s).astype(dtype) for s in SHAPES]
+        for _ in range(STEPS)
+    ]
+    return weights, grads
+
+
+def _run(optimizer, weights, grads, dtype, mode="eager_compiled", paths=None):
+    if paths is None:
+        variables = [keras.Variable(w, dtype=dtype) for w in weights]
+    else:
+        variables = [
+            keras.Variable(w, dtype=dtype, name=p)
+            for w, p in zip(weights, paths, strict=True)
+        ]
+
+    def apply_step(gradients):
+        optimizer.apply(gradients, variables)
+
+    if mode in ("function", "xla"):
+        optimizer.build(variables)
+        apply_step = tf.function(apply_step, jit_compile=mode == "xla")
+    elif mode == "eager":
+        optimizer.jit_compile = False
+    for step_grads in grads:
+        apply_step([tf.constant(g, dtype=dtype) for g in step_grads])
+    return [v.numpy() for v in variables]
+
+
+def _close(actual, expected, dtype):
+    tol = {"float32": 3e-5, "float64": 1e-11}[dtype]
+    for a, b in zip(actual, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------- the mapping table
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_optax_lamb(dtype):
+    weights, grads = _problem(dtype)
+    optimizer = tf_lars.LAMB(
+        learning_rate=LR, beta_1=0.8, beta_2=0.95, epsilon=1e-3, weight_decay=0.1
+    )
+    actual = _run(optimizer, weights, grads, dtype)
+    expected = ref.optax_lamb(weights, grads, LR, 0.8, 0.95, 1e-3, weight_decay=0.1)
+    _close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_paper_algorithm_2(dtype):
+    weights, grads = _problem(dtype, seed=1)
+    optimizer = tf_lars.LAMB(learning_rate=LR, epsilon=1e-6, weight_decay=0.01)
+    actual = _run(optimizer, weights, grads, dtype)
+    expected = ref.paper_lamb(weights, grads, LR, eps=1e-6, weight_decay=0.01)
+    _close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_keras_lamb_at_weight_decay_zero(dtype):
+    weights, grads = _problem(dtype, seed=2)
+    ours = _run(tf_lars.LAMB(learning_rate=LR, epsilon=1e-7), weights, grads, dtype)
+    theirs = _run(keras.optimizers.Lamb(learning_rate=LR), weights, grads, dtype)
+    _close(theirs, ref.keras_lamb(weights, grads, LR, eps=1e-7), dtype)
+    # Keras rounds its betas to float32 in the bias corrections only, so in
+    # float64 the two agree to float32's precision; in float32 they are equal.
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_timm_lamb_with_no_decay_group(dtype):
+    weights, grads = _problem(dtype, seed=3, scale=1.0)  # global norm > 1
+    optimizer = tf_lars.LAMB(
+        learning_rate=LR,
+        weight_decay=0.05,
+        exclude_from_weight_decay=[ALL_1D],
+        global_clipnorm=1.0,
+    )
+    actual = _run(optimizer, weights, grads, dtype)
+    no_decay = [len(s) <= 1 for s in SHAPES]
+    expected = ref.timm_lamb(
+        weights, grads, LR, weight_decay=0.05, no_decay=no_decay, max_grad_norm=1.0
+    )
+    _close(actual, expected, dtype)
+    np.testing.assert_array_equal(optimizer.trust_ratios.numpy()[:2], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_timm_lamb_trust_clip_always_adapt(dtype):
+    weights, grads = _problem(dtype, seed=4, scale=1.0)
+    weights = [w * 0.05 for w in weights]  # small weights: ratios below 1 clip
+    optimizer = tf_lars.LAMB(
+        learning_rate=LR,
+        weight_decay=0.05,
+        exclude_from_weight_decay=[ALL_1D],
+        exclude_from_layer_adaptation=[],
+        trust_clip=True,
+        global_clipnorm=1.0,
+    )
+    actual = _run(optimizer, weights, grads, dtype)
+    expected = ref.timm_lamb(
+        weights,
+        grads,
+        LR,
+        weight_decay=0.05,
+        no_decay=[len(s) <= 1 for s in SHAPES],
+        trust_clip=True,
+        always_adapt=True,
+    )
+    _close(actual, expected, dtype)
+    assert np.all(optimizer.trust_ratios.numpy() <= 1.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_tensorflow_addons_and_model_garden_lamb(dtype):
+    weights, grads = _problem(dtype, seed=5)
+    paths = ["scale", "bias", "dense_kernel", "conv_kernel"]
+    optimizer = tf_lars.LAMB(
+        learning_rate=LR,
+        weight_decay=0.02,
+        exclude_from_weight_decay=["bias", "conv"],
+        exclude_from_layer_adaptation=["bias"],
+    )
+    actual = _run(optimizer, weights, grads, dtype, paths=paths)
+    expected = ref.tfa_lamb(
+        weights,
+        grads,
+        LR,
+        weight_decay_rate=0.02,
+        do_decay=[True, False, True, False],
+        do_adapt=[True, False, True, True],
+    )
+    _close(actual, expected, dtype)
+
+
+# ----------------------------------------------------------------- behaviour
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+def test_eager_function_and_xla_agree(mode):
+    weights, grads = _problem("float32", seed=6)
+    config = {"learning_rate": LR, "weight_decay": 0.1, "trust_clip": True}
+    reference = _run(tf_lars.LAMB(**config), weights, grads, "float32")
+    actual = _run(tf_lars.LAMB(**config), weights, grads, "float32", mode=mode)
+    _close(actual, reference, "float32")
+
+
+def test_zero_weights_and_zero_gradients_give_ratio_one():
+    optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.1)
+    zero_w = keras.Variable(np.zeros((3,), "float32"))
+    zero_g = keras.Variable(np.ones((2, 2), "float32"))
+    optimizer.apply([tf.ones((3,)), tf.zeros((2, 2))], [zero_w, zero_g])
+    ratios = optimizer.trust_ratios.numpy()
+    np.testing.assert_array_equal(ratios[0], 1.0)
+    # |u| = wd |w| > 0 for the zero gradient: a ratio of |w| / (0.1 |w|) = 10.
+    np.testing.assert_allclose(ratios[1], 10.0, rtol=1e-6)
+    assert np.all(np.isfinite(zero_w.numpy())) and np.all(zero_w.numpy() < 0)
+    np.testing.assert_allclose(zero_g.numpy(), 1.0 - 0.1 * 10 * 0.1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_sparse_rows_with_duplicate_indices_take_adam_without_ratio(compiled):
+    rng = np.random.default_rng(7)
+    weight = rng.normal(size=(6, 3))
+    optimizer = tf_lars.LAMB(learning_rate=LR, weight_decay=0.5, epsilon=1e-3)
+    optimizer.jit_compile = compiled
+    variable = keras.Variable(weight, dtype="float64")
+    m, v = np.zeros_like(weight), np.zeros_like(weight)
+    expected = weight.copy()
+    for t in range(1, 4):
+        indices = np.array([0, 4, 0, 2])
+        values = rng.normal(size=(4, 3))
+        grad = tf.IndexedSlices(tf.constant(values), tf.constant(indices), (6, 3))
+        optimizer.apply([grad], [variable])
+        expected, m, v = ref.lamb_sparse_adam(
+            expected, m, v, t, indices, values, LR, 0.9, 0.999, 1e-3
+        )
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-10)
+    assert optimizer.trust_ratios.numpy()[0] == 1.0
+
+
+def test_loss_scale_wrapped_equals_unscaled():
+    weights, grads = _problem("float32", seed=8)
+    plain = _run(tf_lars.LAMB(LR, weight_decay=0.1), weights, grads, "float32")
+    scale = 2.0**10
+    wrapped = tf_lars.LossScaleOptimizer(
+        tf_lars.LAMB(LR, weight_decay=0.1), initial_scale=scale, dynamic=False
+    )
+    scaled = [[g * scale for g in step] for step in grads]
+    _close(_run(wrapped, weights, scaled, "float32"), plain, "float32")
+
+
+def test_agn_with_period_one_follows_plain_lamb():
+    weights, grads = _problem("float64", seed=9)
+    plain = _run(tf_lars.LAMB(LR, weight_decay=0.1), weights, grads, "float64")
+    agn = tf_lars.AGN(tf_lars.LAMB(LR, weight_decay=0.1), communication_period=1)
+    _close(_run(agn, weights, grads, "float64"), plain, "float64")
+
+
+def _model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    return x, np.stack([x.sum(1), x[:, 0] - x[:, 2]], axis=1).astype("float32")
+
+
+def _lamb():
+    return tf_lars.LAMB(
+        learning_rate=0.01, weight_decay=0.01, exclude_from_weight_decay=[ALL_1D]
+    )
+
+
+def test_fit_with_and_without_xla_agree_and_monitor_reads_ratios():
+    results = []
+    for jit in (False, True):
+        model = _model()
+        model.compile(optimizer=_lamb(), loss="mse", jit_compile=jit)
+        monitor = tf_lars.callbacks.TrustRatioMonitor()
+        x, y = _data()
+        history = model.fit(
+            x, y, epochs=3, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor]
+        )
+        results.append((history.history, [w.numpy() for w in model.weights]))
+        assert monitor.trust_ratios.shape == (3, 4)
+        assert monitor.paths == model.optimizer.trust_ratio_paths
+        # Biases are excluded (ratio 1), kernels adapted.
+        np.testing.assert_array_equal(monitor.trust_ratios[:, [1, 3]], 1.0)
+        assert np.all(monitor.trust_ratios[:, [0, 2]] != 1.0)
+    (first, w_first), (second, w_second) = results
+    np.testing.assert_allclose(first["loss"], second["loss"], rtol=1e-5)
+    assert first["loss"][-1] < first["loss"][0]
+    for a, b in zip(w_first, w_second, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_save_load_continues_exactly(tmp_path):
+    model = _model()
+    model.compile(optimizer=_lamb(), loss="mse")
+    x, y = _data()
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, tf_lars.LAMB)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    loaded.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    for a, b in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_checkpoint_round_trip_continues_exactly(tmp_path):
+    model = _model()
+    model.compile(optimizer=_lamb(), loss="mse")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
+    expected = [w.numpy() for w in model.weights]
+    keras.utils.set_random_seed(99)
+    fresh = _model()
+    fresh.compile(
+        optimizer=tf_lars.LAMB.from_config(model.optimizer.get_config()), loss="mse"
+    )
+    fresh.optimizer.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(
+        prefix
+    ).assert_existing_objects_matched()
+    fresh.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
+    for a, b in zip(expected, fresh.weights, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_saved_model_serves(tmp_path):
+    model = _model()
+    model.compile(optimizer=_lamb(), loss="mse")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    expected = model(x).numpy()
+    model.export(str(tmp_path / "export"))
+    served = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(
+        served.serve(tf.constant(x)).numpy(), expected, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_learning_rate_schedule_round_trips():
+    schedule = tf_lars.WarmupPolynomialDecay(0.01, warmup_steps=2, decay_steps=4)
+    optimizer = tf_lars.LAMB(learning_rate=schedule)
+    config = optimizer.get_config()
+    again = tf_lars.LAMB.from_config(config)
+    assert isinstance(
+        again.inner_optimizer._learning_rate, tf_lars.WarmupPolynomialDecay
+    )
+    assert again.get_config() == config
+    variable = keras.Variable(np.ones((2, 2), "float32"))
+    optimizer.apply([tf.ones((2, 2))], [variable])  # lr 0 at step 0
+    np.testing.assert_array_equal(variable.numpy(), 1.0)
+    optimizer.apply([tf.ones((2, 2))], [variable])
+    assert np.all(variable.numpy() < 1.0)
+
+
+def test_get_config_holds_every_constructor_argument():
+    import inspect
+
+    parameters = set(inspect.signature(tf_lars.LAMB.__init__).parameters)
+    config = tf_lars.LAMB(
+        beta_1=0.8, trust_clip=True, exclude_from_layer_adaptation=[]
+    ).get_config()
+    assert parameters - {"self", "kwargs"} == set(config)
+    again = tf_lars.LAMB.from_config(config)
+    assert again.get_config() == config
+    assert config["beta_1"] == 0.8 and config["exclude_from_layer_adaptation"] == []
+
+
+def test_registered_name_and_default_names():
+    assert keras.saving.get_registered_name(tf_lars.LAMB) == "tf_lars>LAMB"
+    first, second = tf_lars.LAMB(), tf_lars.LAMB()
+    assert first.name != second.name and first.name.startswith("lamb")
+    variable = keras.Variable(np.ones((2, 3), "float32"))
+    for optimizer in (first, second):
+        optimizer.build([variable])
+    assert first.iterations.path != second.iterations.path
+    first_paths = {v.path for v in first.variables}
+    assert not first_paths & {v.path for v in second.variables}
+    assert tf_lars.LAMB(name="mine").name == "mine"
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"learning_rate": -1.0}, "learning_rate=-1.0"),
+        ({"learning_rate": "fast"}, "learning_rate='fast'"),
+        ({"beta_1": 1.0}, "beta_1=1.0"),
+        ({"beta_2": -0.1}, "beta_2=-0.1"),
+        ({"epsilon": -1e-6}, "epsilon=-1e-06"),
+        ({"weight_decay": float("nan")}, "weight_decay=nan"),
+        ({"trust_coefficient": 0.0}, "trust_coefficient=0.0"),
+        ({"trust_clip": "yes"}, "trust_clip='yes'"),
+        ({"exclude_from_weight_decay": ["("]}, "exclude_from_weight_decay=['(']"),
+        ({"exclude_from_layer_adaptation": 3}, "exclude_from_layer_adaptation=3"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(kwargs, fragment):
+    with pytest.raises(ValueError) as error:
+        tf_lars.LAMB(**kwargs)
+    assert fragment in str(error.value), str(error.value)
+
+
+def test_unknown_config_key_is_refused():
+    config = tf_lars.LAMB().get_config()
+    config["eta"] = 1.0
+    with pytest.raises(ValueError, match=r"Unknown key\(s\) in LAMB config"):
+        tf_lars.LAMB.from_config(config)
+
+
+def test_mirrored_strategy_uses_all_reduced_gradient():
+    script = os.path.join(os.path.dirname(__file__), "trust_ratio_mirrored_script.py")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "MIRRORED OK" in result.stdout, result.stdout + result.stderr

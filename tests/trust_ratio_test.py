@@ -1,0 +1,410 @@
+"""Tests for tf_lars.TrustRatio against the NumPy rule of docs/algorithms.md
+("TrustRatio and LAMB", tests/lamb_reference.py), around Keras optimizers."""
+
+import inspect
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_lars
+from tests import lamb_reference as ref
+from tf_lars.lars import ALL_1D
+
+SHAPES = [(), (5,), (4, 3), (2, 3, 2, 3)]
+PATHS = ["gain", "bias", "dense_kernel", "conv_kernel"]
+STEPS = 4
+LR = 2.0**-3
+
+# Every flag of the rule, around SGD (plain, momentum, Nesterov) and Adam.
+FLAGS = {
+    "defaults": {},
+    "decay": {"weight_decay": 0.1},
+    "coefficient_epsilon": {"trust_coefficient": 0.3, "epsilon": 0.05},
+    "clip": {"trust_clip": True, "weight_decay": 0.01},
+    "exclusions": {
+        "weight_decay": 0.1,
+        "exclude_from_weight_decay": [ALL_1D, "conv"],
+        "exclude_from_layer_adaptation": ["bias"],
+    },
+}
+INNER = {
+    "sgd": (lambda: keras.optimizers.SGD(LR), lambda: ref.keras_sgd_direction(LR)),
+    "momentum": (
+        lambda: keras.optimizers.SGD(LR, momentum=0.9),
+        lambda: ref.keras_sgd_direction(LR, 0.9),
+    ),
+    "nesterov": (
+        lambda: keras.optimizers.SGD(LR, momentum=0.8, nesterov=True),
+        lambda: ref.keras_sgd_direction(LR, 0.8, nesterov=True),
+    ),
+    "adam": (
+        lambda: keras.optimizers.Adam(LR, epsilon=1e-3),
+        lambda: ref.keras_adam_direction(epsilon=1e-3),
+    ),
+}
+
+
+def _problem(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    weights = [rng.normal(size=s).astype(dtype) for s in SHAPES]
+    grads = [
+        [rng.normal(scale=0.1, size=s).astype(dtype) for s in SHAPES]
+        for _ in range(STEPS)
+    ]
+    return weights, grads
+
+
+def _variables(weights, dtype):
+    return [
+        keras.Variable(w, dtype=dtype, name=p)
+        for w, p in zip(weights, PATHS, strict=True)
+    ]
+
+
+def _run(optimizer, weights, grads, dtype, mode="eager_compiled"):
+    variables = _variables(weights, dtype)
+
+    def apply_step(gradients):
+        optimizer.apply(gradients, variables)
+
+    if mode in ("function", "xla"):
+        optimizer.build(variables)
+        apply_step = tf.function(apply_step, jit_compile=mode == "xla")
+    elif mode == "eager":
+        optimizer.jit_compile = False
+    for step_grads in grads:
+        apply_step([tf.constant(g, dtype=dtype) for g in step_grads])
+    return variables
+
+
+def _close(actual, expected, dtype):
+    tol = {"float32": 3e-5, "float64": 1e-11}[dtype]
+    for a, b in zip(actual, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=tol, atol=tol)
+
+
+def _masks(flags):
+    decay = flags.get("exclude_from_weight_decay") or []
+    adapt = flags.get("exclude_from_layer_adaptation", None)
+    adapt = decay if adapt is None else adapt
+
+    def excluded(patterns, shape, path):
+        return any(
+            (p == ALL_1D and len(shape) <= 1) or (p != ALL_1D and p in path)
+            for p in patterns
+        )
+
+    decayed = [not excluded(decay, s, p) for s, p in zip(SHAPES, PATHS, strict=True)]
+    adapted = [not excluded(adapt, s, p) for s, p in zip(SHAPES, PATHS, strict=True)]
+    return decayed, adapted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("flags", sorted(FLAGS))
+def test_matches_numpy_reference(flags, inner, dtype):
+    config = FLAGS[flags]
+    make_inner, make_direction = INNER[inner]
+    weights, grads = _problem(dtype)
+    optimizer = tf_lars.TrustRatio(make_inner(), **config)
+    variables = _run(optimizer, weights, grads, dtype)
+    decayed, adapted = _masks(config)
+    expected, ratios = ref.wrapped_run(
+        weights,
+        grads,
+        LR,
+        make_direction(),
+        weight_decay=config.get("weight_decay", 0.0),
+        trust_coefficient=config.get("trust_coefficient", 1.0),
+        epsilon=config.get("epsilon", 0.0),
+        trust_clip=config.get("trust_clip", False),
+        decayed=decayed,
+        adapted=adapted,
+    )
+    _close([v.numpy() for v in variables], expected, dtype)
+    np.testing.assert_allclose(optimizer.trust_ratios.numpy(), ratios, rtol=2e-5)
+    assert optimizer.trust_ratio_paths == PATHS
+
+
+@pytest.mark.parametrize("inner", ["momentum", "adam"])
+def test_inner_state_evolves_exactly_as_without_the_wrapper(inner):
+    weights, grads = _problem("float64", seed=1)
+    wrapped = tf_lars.TrustRatio(INNER[inner][0](), weight_decay=0.1)
+    _run(wrapped, weights, grads, "float64")
+    alone = INNER[inner][0]()
+    _run(alone, weights, grads, "float64")
+    assert wrapped.inner_optimizer.iterations.numpy() == STEPS
+    # Equal up to XLA's fused multiply-adds (the wrapped run is compiled).
+    for a, b in zip(wrapped.inner_optimizer.variables, alone.variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-14, atol=1e-17)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+def test_eager_function_and_xla_agree(mode):
+    weights, grads = _problem("float32", seed=2)
+    config = {"weight_decay": 0.1, "trust_clip": True, "epsilon": 1e-3}
+    reference = _run(
+        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config),
+        weights,
+        grads,
+        "float32",
+    )
+    actual = _run(
+        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config),
+        weights,
+        grads,
+        "float32",
+        mode=mode,
+    )
+    _close(actual, [r.numpy() for r in reference], "float32")
+
+
+def test_lion_and_adamw_inner_optimizers():
+    weights, grads = _problem("float64", seed=3)
+    for inner in (
+        keras.optimizers.Lion(LR),
+        keras.optimizers.AdamW(LR, weight_decay=0.0),
+    ):
+        optimizer = tf_lars.TrustRatio(inner, weight_decay=0.1)
+        variables = _run(optimizer, weights, grads, "float64")
+        assert all(np.all(np.isfinite(v.numpy())) for v in variables)
+        assert np.all(optimizer.trust_ratios.numpy() != 1.0)
+
+
+def test_zero_norms_give_ratio_one():
+    optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(0.5))
+    zero_w = keras.Variable(np.zeros((3,), "float32"))
+    zero_g = keras.Variable(np.ones((2,), "float32"))
+    optimizer.apply([tf.ones((3,)), tf.zeros((2,))], [zero_w, zero_g])
+    np.testing.assert_array_equal(optimizer.trust_ratios.numpy(), [1.0, 1.0])
+    np.testing.assert_array_equal(zero_w.numpy(), -0.5)
+    np.testing.assert_array_equal(zero_g.numpy(), 1.0)
+
+
+def test_zero_learning_rate_moves_nothing_and_reports_one():
+    optimizer = tf_lars.TrustRatio(keras.optimizers.Adam(0.0), weight_decay=0.1)
+    variable = keras.Variable(np.ones((2, 2), "float32"))
+    optimizer.apply([tf.ones((2, 2))], [variable])
+    np.testing.assert_array_equal(variable.numpy(), 1.0)
+    np.testing.assert_array_equal(optimizer.trust_ratios.numpy(), [1.0])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_sparse_rows_take_the_inner_update_without_ratio(compiled):
+    rng = np.random.default_rng(4)
+    weight = rng.normal(size=(6, 3)).astype("float32")
+    optimizer = tf_lars.TrustRatio(
+        keras.optimizers.SGD(0.1, momentum=0.9), weight_decay=0.5
+    )
+    optimizer.jit_compile = compiled
+    alone = keras.optimizers.SGD(0.1, momentum=0.9)
+    ours, theirs = keras.Variable(weight), keras.Variable(weight)
+    for _ in range(3):
+        values = tf.constant(rng.normal(size=(4, 3)).astype("float32"))
+        grad = tf.IndexedSlices(values, tf.constant([0, 4, 0, 2]), (6, 3))
+        optimizer.apply([grad], [ours])
+        alone.apply([grad], [theirs])
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6)
+    assert optimizer.trust_ratios.numpy()[0] == 1.0
+
+
+def test_loss_scale_wrapped_equals_unscaled():
+    weights, grads = _problem("float32", seed=5)
+    config = {"weight_decay": 0.1}
+    plain = _run(
+        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config),
+        weights,
+        grads,
+        "float32",
+    )
+    scale = 2.0**12
+    wrapped = tf_lars.LossScaleOptimizer(
+        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config), initial_scale=scale
+    )
+    scaled = [[g * scale for g in step] for step in grads]
+    actual = _run(wrapped, weights, scaled, "float32")
+    _close(actual, [p.numpy() for p in plain], "float32")
+
+
+def test_keras_save_load_continues_exactly(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(
+        optimizer=tf_lars.TrustRatio(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            weight_decay=1e-3,
+            exclude_from_weight_decay=[ALL_1D],
+        ),
+        loss="mse",
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, tf_lars.TrustRatio)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    loaded.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    for a, b in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_get_config_holds_every_constructor_argument():
+    parameters = set(inspect.signature(tf_lars.TrustRatio.__init__).parameters)
+    optimizer = tf_lars.TrustRatio(
+        keras.optimizers.Adam(0.01), epsilon=1e-3, exclude_from_layer_adaptation=[]
+    )
+    config = optimizer.get_config()
+    assert parameters - {"self", "kwargs"} == set(config)
+    again = tf_lars.TrustRatio.from_config(config)
+    assert again.get_config() == config
+    assert isinstance(again.inner_optimizer, keras.optimizers.Adam)
+    assert keras.saving.get_registered_name(tf_lars.TrustRatio) == "tf_lars>TrustRatio"
+
+
+def test_learning_rate_is_the_inner_optimizers():
+    optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(0.25))
+    assert float(optimizer.learning_rate) == 0.25
+    optimizer.learning_rate = 0.5
+    assert float(optimizer.inner_optimizer.learning_rate) == 0.5
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda: tf_lars.TrustRatio("adam"), "inner_optimizer='adam'"),
+        (lambda: tf_lars.TrustRatio(tf_lars.LARS()), "Received: inner_optimizer="),
+        (
+            lambda: tf_lars.TrustRatio(keras.optimizers.AdamW(weight_decay=0.1)),
+            "inner_optimizer.weight_decay=0.1",
+        ),
+        (
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(clipnorm=1.0)),
+            "inner_optimizer.clipnorm=1.0",
+        ),
+        (
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), weight_decay=-1.0),
+            "weight_decay=-1.0",
+        ),
+        (
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), trust_coefficient=0),
+            "trust_coefficient=0",
+        ),
+        (
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), epsilon=float("inf")),
+            "epsilon=inf",
+        ),
+        (
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), trust_clip=1),
+            "trust_clip=1",
+        ),
+        (
+            lambda: tf_lars.TrustRatio(
+                keras.optimizers.SGD(), exclude_from_weight_decay=["[x"]
+            ),
+            "exclude_from_weight_decay=['[x']",
+        ),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(make, fragment):
+    with pytest.raises(ValueError) as error:
+        make()
+    assert fragment in str(error.value), str(error.value)
+
+
+# Keras's optimizer contract (as for LARS in tests/lars_test.py).
+
+
+def test_default_name_is_numbered_like_keras_optimizers():
+    first = tf_lars.TrustRatio(keras.optimizers.SGD())
+    second = tf_lars.TrustRatio(keras.optimizers.SGD())
+    assert first.name.startswith("trust_ratio") and first.name != second.name
+    assert tf_lars.TrustRatio(keras.optimizers.SGD(), name="mine").name == "mine"
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tuple_indices_in_a_hand_built_sparse_gradient(compiled):
+    values = np.full((3, 4), 0.5, "float32")
+    variable = keras.Variable(np.ones((5, 4), "float32"))
+    optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(0.1))
+    optimizer.jit_compile = compiled
+    expected = np.ones((5, 4), "float32")
+    for _ in range(3):
+        grad = tf.IndexedSlices(tf.constant(values), (0, 2, 4), (5, 4))
+        optimizer.apply([grad], [variable])
+        expected[[0, 2, 4]] -= 0.1 * values
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_model_variables_are_written_through_self_assign(sparse):
+    variable = keras.Variable(np.ones((5, 4), "float32"))
+    optimizer = tf_lars.TrustRatio(
+        keras.optimizers.SGD(0.1, momentum=0.9), weight_decay=0.01
+    )
+    optimizer.jit_compile = False
+    optimizer.build([variable])
+    if sparse:
+        grad = tf.IndexedSlices(tf.fill((3, 4), 0.5), tf.constant([0, 2, 4]), (5, 4))
+    else:
+        grad = tf.fill((5, 4), 0.5)
+    direct, depth = [], [0]
+    variable_class = variable.value.__class__
+    optimizers = (type(optimizer), type(optimizer.inner_optimizer))
+    originals = {
+        (cls, name): getattr(cls, name)
+        for cls in optimizers
+        for name in ("assign", "assign_add", "assign_sub")
+    }
+
+    def through(cls, name):
+        def write(self, target, value):
+            depth[0] += 1
+            try:
+                return originals[(cls, name)](self, target, value)
+            finally:
+                depth[0] -= 1
+
+        return write
+
+    def refuse(name):
+        original = getattr(variable_class, name)
+
+        def check(self, *args, **kwargs):
+            if len(self.shape) and not depth[0]:
+                direct.append(name)
+            return original(self, *args, **kwargs)
+
+        return check
+
+    patches = [mock.patch.object(c, n, through(c, n)) for c, n in originals] + [
+        mock.patch.object(variable_class, n, refuse(n))
+        for n in ("assign", "assign_add", "assign_sub")
+    ]
+    for patch in patches:
+        patch.start()
+    try:
+        optimizer.apply([grad], [variable])
+    finally:
+        for patch in patches:
+            patch.stop()
+    assert direct == []
+    assert not any(k in optimizer.inner_optimizer.__dict__ for k in ("assign",))
+
+
+def test_python_list_gradients_trace_the_compiled_apply_once():
+    variable = keras.Variable(np.ones((2, 3), "float32"))
+    optimizer = tf_lars.TrustRatio(keras.optimizers.Adam(0.1))
+    for step in range(3):
+        optimizer.apply([[[0.1 * step + 0.1] * 3] * 2], [variable])
+        optimizer.apply([np.full((2, 3), 0.2, "float32")], [variable])
+    (compiled,) = optimizer._compiled_apply.values()
+    assert compiled.experimental_get_tracing_count() == 1
+    assert optimizer.iterations.numpy() == 6
+    assert optimizer.inner_optimizer.iterations.numpy() == 6

@@ -1,0 +1,384 @@
+"""A layer-wise trust ratio around any Keras optimizer.
+
+The rule is docs/algorithms.md, section "TrustRatio and LAMB"; the steps of
+`TrustRatio.update_step` carry its numbers. `tf_lars.LAMB` is this wrapper
+around Adam.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from tf_lars import _lars_fast
+from tf_lars._exclusions import check_patterns, matches, variable_path
+from tf_lars._validation import check_bool, check_config_keys, check_number
+from tf_lars._wrapper import InnerOptimizerWrapper
+
+__all__ = ["TrustRatio"]
+
+# Base-class arguments that belong to the wrapper: set on the inner optimizer
+# they would act on the direction alone (or, for `weight_decay`, outside the
+# ratio), so they are refused there.
+_OUTER_ARGUMENTS = (
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def _check_inner_optimizer(inner_optimizer):
+    from tf_lars.agn import AGN
+    from tf_lars.lars import LARS
+
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    refused = (keras.optimizers.LossScaleOptimizer, TrustRatio, LARS, AGN)
+    if isinstance(inner_optimizer, refused):
+        raise ValueError(
+            "`inner_optimizer` must be a plain Keras optimizer (SGD, Adam, "
+            "AdamW, Lion, ...), not a loss-scale, AGN, LARS or TrustRatio "
+            "optimizer: wrap the TrustRatio in those instead. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    for argument in _OUTER_ARGUMENTS:
+        value = getattr(inner_optimizer, argument, None)
+        if value not in (None, 0, 0.0):
+            raise ValueError(
+                f"`inner_optimizer.{argument}` must be unset: set `{argument}` "
+                "on the TrustRatio (its weight decay sits inside the ratio). "
+                f"Received: inner_optimizer.{argument}={value!r}"
+            )
+    if getattr(inner_optimizer, "use_ema", False):
+        raise ValueError(
+            "`inner_optimizer.use_ema` must be False: set `use_ema` on the "
+            "TrustRatio. Received: inner_optimizer.use_ema=True"
+        )
+
+
+def _same_variable(a, b):
+    if a is b:
+        return True
+    unwrap = lambda x: x.value if isinstance(x, keras.Variable) else x  # noqa: E731
+    return unwrap(a) is unwrap(b)
+
+
+@contextlib.contextmanager
+def _captured_step(optimizer, variable):
+    """Runs the inner optimizer's writes to `variable` into a list instead.
+
+    Keras optimizers write every variable through `self.assign`,
+    `self.assign_add` and `self.assign_sub` (the contract tf_lars's tests
+    hold every optimizer to); for the duration of the block, those three
+    methods of `optimizer` record the writes aimed at `variable` as
+    `(kind, value)` and pass every other write (the slots) through. The
+    overrides are instance attributes, removed on exit.
+    """
+    writes = []
+
+    def redirect(kind):
+        original = getattr(optimizer, kind)
+
+        def write(target, value):
+            if _same_variable(target, variable):
+                writes.append((kind, value))
+                return None
+            return original(target, value)
+
+        return write
+
+    kinds = ("assign", "assign_add", "assign_sub")
+    for kind in kinds:
+        optimizer.__dict__[kind] = redirect(kind)
+    try:
+        yield writes
+    finally:
+        for kind in kinds:
+            optimizer.__dict__.pop(kind, None)
+
+
+def _step_of(writes, variable):
+    """The inner step `s` (`w_new = w - s`) from the captured writes."""
+    step = None
+    for kind, value in writes:
+        value = tf.cast(value, variable.dtype)
+        if kind == "assign_sub":
+            step = value if step is None else step + value
+        elif kind == "assign_add":
+            step = -value if step is None else step - value
+        else:  # a full assign: w_new = value
+            step = tf.convert_to_tensor(variable) - value
+    return step
+
+
+@keras.saving.register_keras_serializable(package="tf_lars")
+class TrustRatio(
+    InnerOptimizerWrapper, _lars_fast.CompiledApply, keras.optimizers.Optimizer
+):
+    """A layer-wise trust ratio around any Keras optimizer.
+
+    Each step the inner optimizer computes its step for every variable as
+    usual (`w <- w - lr * d`: Adam's `m_hat / (sqrt(v_hat) + eps)`, SGD's
+    momentum, Lion's sign, ...) and updates its own slots exactly as it
+    would alone; the wrapper adds weight decay to the direction and rescales
+    it per variable (LAMB's Algorithm 2, optax's `scale_by_trust_ratio`):
+
+    ```
+    u = d + wd * w
+    T = trust_coefficient * |w| / (|u| + epsilon)
+    T = 1  if |w| == 0 or |u| == 0, or w is excluded from adaptation
+    T = min(T, 1)                    trust_clip=True (timm, LARC clip)
+    w <- w - lr * T * u
+    ```
+
+    Norms are of the whole tensor, computed in float32 (float64 for float64
+    variables). Sparse gradients (`tf.IndexedSlices`) take the inner
+    optimizer's own sparse update: no ratio, no weight decay, the gradient
+    is never densified.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer`. Computes the direction
+            and owns the learning rate (`optimizer.learning_rate` reads and
+            sets the inner one). Its `weight_decay`, clipping, EMA,
+            loss-scale factor and gradient accumulation must be unset (set
+            them on the wrapper).
+        weight_decay: float >= 0. `wd`: added to the direction before the
+            ratio, as in LAMB. Defaults to `0.0`.
+        trust_coefficient: float > 0. Defaults to `1.0`.
+        epsilon: float >= 0. Added to the ratio's denominator. Defaults to
+            `0.0`.
+        trust_clip: bool. Caps `T` at 1, so no variable takes a larger step
+            than the inner optimizer's own (timm's `trust_clip`; LARC's clip
+            caps the local rate at the global one, the same rule where the
+            rate multiplies `T`). Defaults to `False`.
+        exclude_from_weight_decay: list of str or None. Regular expressions
+            searched in each `variable.path`; `"<1d>"` (`tf_lars.lars.ALL_1D`)
+            names every variable of rank <= 1. Defaults to `None`.
+        exclude_from_layer_adaptation: list of str or None. Same form;
+            matching variables use `T = 1`. Defaults to `None`: the
+            weight-decay list (pass `[]` to adapt every variable).
+        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+        ema_overwrite_frequency, loss_scale_factor,
+        gradient_accumulation_steps: the `keras.optimizers.Optimizer` base
+            arguments, applied by the wrapper to the gradient before the
+            inner optimizer sees it. Default to Keras's defaults.
+        name: str or None. Defaults to `None` (numbered `trust_ratio`,
+            `trust_ratio_1`, ...).
+
+    After a step, `trust_ratios` holds every trainable variable's `T` (1 for
+    excluded and sparse ones) in the order of `trust_ratio_paths`, as for
+    `tf_lars.LARS`, so `tf_lars.callbacks.TrustRatioMonitor` reads it.
+
+    References:
+        - [You et al. 2019: Large Batch Optimization for Deep Learning:
+          Training BERT in 76 minutes](https://arxiv.org/abs/1904.00962)
+        - [You, Gitman, Ginsburg 2017: Large Batch Training of Convolutional
+          Networks](https://arxiv.org/abs/1708.03888)
+
+    Example:
+
+    >>> import keras, tf_lars
+    >>> optimizer = tf_lars.TrustRatio(
+    ...     keras.optimizers.Lion(learning_rate=1e-4), weight_decay=1e-2,
+    ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
+    >>> w = keras.Variable([[3.0, 4.0]])
+    >>> optimizer.apply([keras.ops.convert_to_tensor([[1.0, -1.0]])], [w])
+    >>> round(float(optimizer.trust_ratios[0]), 3)  # |w| / |sign(g) + 0.01 w|
+    3.551
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        weight_decay=0.0,
+        trust_coefficient=1.0,
+        epsilon=0.0,
+        trust_clip=False,
+        exclude_from_weight_decay=None,
+        exclude_from_layer_adaptation=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
+        _check_inner_optimizer(inner_optimizer)
+        super().__init__(
+            learning_rate=0.0,  # unused: the inner optimizer's rate applies
+            weight_decay=None,  # the wrapper's decay sits inside the ratio
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=name,
+            **kwargs,
+        )
+        self.inner_optimizer = inner_optimizer
+        self.weight_decay = check_number("weight_decay", weight_decay, low=0.0)
+        self.trust_coefficient = check_number(
+            "trust_coefficient", trust_coefficient, low=0.0, low_inclusive=False
+        )
+        self._trust_epsilon = check_number("epsilon", epsilon, low=0.0)
+        self.trust_clip = check_bool("trust_clip", trust_clip)
+        self._weight_decay_exclusions = check_patterns(
+            "exclude_from_weight_decay", exclude_from_weight_decay
+        )
+        self._adaptation_exclusions_given = exclude_from_layer_adaptation
+        self._layer_adaptation_exclusions = (
+            self._weight_decay_exclusions
+            if exclude_from_layer_adaptation is None
+            else check_patterns(
+                "exclude_from_layer_adaptation", exclude_from_layer_adaptation
+            )
+        )
+        self._init_compiled_apply()
+
+    # ----------------------------------------------------------------- state
+    def build(self, variables):
+        """Builds the inner optimizer and resolves per-variable exclusions."""
+        if self.built:
+            return
+        super().build(variables)
+        self.inner_optimizer.build(variables)
+        self._variable_weight_decay = [
+            self.weight_decay
+            if self._use_weight_decay(v)
+            and not matches(self._weight_decay_exclusions, v)
+            else 0.0
+            for v in variables
+        ]
+        self._variable_adapted = [
+            not matches(self._layer_adaptation_exclusions, v) for v in variables
+        ]
+        self.trust_ratio_paths = [variable_path(v) for v in variables]
+        self.trust_ratios = self.add_variable(
+            shape=(len(variables),),
+            initializer="ones",
+            dtype="float32",
+            aggregation="only_first_replica",
+            name="trust_ratios",
+        )
+
+    @property
+    def epsilon(self):
+        """The `epsilon` of the ratio's denominator."""
+        return self._trust_epsilon
+
+    @property
+    def variables(self):
+        return super().variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        # Called once by the base constructor, before `inner_optimizer` is set.
+        if getattr(self, "inner_optimizer", None) is None:
+            keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
+            return
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def _apply_weight_decay(self, variables):
+        # The decay is inside the ratio (step 1); never the base class's.
+        return
+
+    # ------------------------------------------------------- the update rule
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        super()._backend_update_step(grads, trainable_variables, learning_rate)
+        # The inner optimizer's own step count (Adam's bias correction).
+        self.inner_optimizer.iterations.assign_add(1)
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Steps 1-5 for one variable (docs/algorithms.md)."""
+        inner = self.inner_optimizer
+        if isinstance(gradient, tf.IndexedSlices):
+            # Step 5: the inner optimizer's own sparse update, no ratio.
+            inner.update_step(gradient, variable, learning_rate)
+            return
+        index = self._get_variable_index(variable)
+        # Step 1: the inner step s = lr * d, slots updated as without us.
+        with _captured_step(inner, variable) as writes:
+            inner.update_step(gradient, variable, learning_rate)
+        step = _step_of(writes, variable)
+        dtype = variable.dtype
+        if step is None:
+            step = tf.zeros(variable.shape, dtype)
+        # Step 2: u = d + wd * w, kept as lr * u = s + lr * wd * w.
+        rate = tf.cast(learning_rate, dtype)
+        decay = self._variable_weight_decay[index]
+        if decay != 0.0:
+            step = step + (rate * tf.constant(decay, dtype)) * variable
+        # Steps 3 and 4: the ratio, from |w| and |u| = |lr * u| / lr.
+        if self._variable_adapted[index]:
+            ratio = self._ratio(variable, step, learning_rate)
+            self.assign_sub(variable, tf.cast(ratio, dtype) * step)
+            self.assign(
+                self.trust_ratios,
+                tf.IndexedSlices(tf.reshape(tf.cast(ratio, tf.float32), [1]), [index]),
+            )
+        else:
+            self.assign_sub(variable, step)
+
+    def _ratio(self, variable, step, learning_rate):
+        compute = _lars_fast.compute_dtype(variable)
+        w_norm = tf.sqrt(_lars_fast.squared_norm(tf.cast(variable, compute)))
+        step_norm = tf.sqrt(_lars_fast.squared_norm(tf.cast(step, compute)))
+        rate = tf.cast(learning_rate, compute)
+        usable = tf.logical_and(w_norm > 0, tf.logical_and(step_norm > 0, rate > 0))
+        one = tf.ones([], compute)
+        u_norm = step_norm / tf.where(usable, rate, one)
+        trust = tf.constant(self.trust_coefficient, compute) * w_norm
+        ratio = trust / (u_norm + tf.constant(self._trust_epsilon, compute))
+        ratio = tf.where(usable, ratio, one)
+        if self.trust_clip:
+            ratio = tf.minimum(ratio, one)
+        return ratio
+
+    # --------------------------------------------------------- serialization
+    def _trust_ratio_config(self):
+        return {
+            "weight_decay": self.weight_decay,
+            "trust_coefficient": self.trust_coefficient,
+            "epsilon": self._trust_epsilon,
+            "trust_clip": self.trust_clip,
+            "exclude_from_weight_decay": list(self._weight_decay_exclusions) or None,
+            "exclude_from_layer_adaptation": (
+                None
+                if self._adaptation_exclusions_given is None
+                else list(self._layer_adaptation_exclusions)
+            ),
+            "clipnorm": self.clipnorm,
+            "clipvalue": self.clipvalue,
+            "global_clipnorm": self.global_clipnorm,
+            "use_ema": self.use_ema,
+            "ema_momentum": self.ema_momentum,
+            "ema_overwrite_frequency": self.ema_overwrite_frequency,
+            "loss_scale_factor": self.loss_scale_factor,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
+    def get_config(self):
+        return self._wrapper_config(**self._trust_ratio_config())
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Creates a `TrustRatio` from `get_config()` output; unknown keys raise."""
+        check_config_keys(cls, config)
+        return super().from_config(config, custom_objects=custom_objects)
