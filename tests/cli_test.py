@@ -476,7 +476,7 @@ BAD_SWEEP = [
      "`optimizers.1.optimizer.config`: `momentum` must be"),
     (["--set", "optimizers.0.label=LARS"], "`optimizers.*.label` must be unique"),
     (["--set", "optimizers.5.label=x"],
-     "`--set optimizers.5.label`: `optimizers.5` is not an index into a list of 2"),
+     "`--set optimizers.5.label`: `optimizers.5` is not an index into a list of 5"),
     (["--set", "sweep.batch_size=32"], "Unknown config key `sweep.batch_size`"),
 ]  # fmt: skip
 
@@ -940,7 +940,7 @@ def test_console_script_sweep_workers_write_no_tensorflow_log_lines(tmp_path):
         timeout=300,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr
-    assert "[2/2]" in process.stdout
+    assert "[5/5]" in process.stdout  # 5 optimizers x 1 batch size x 1 rate
     assert "on 2 worker process(es)" in process.stdout
     assert TF_LOG_LINE.search(process.stderr) is None, process.stderr
 
