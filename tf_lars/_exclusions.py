@@ -94,3 +94,62 @@ def matches(patterns, variable):
         elif re.search(pattern, path):
             return True
     return False
+
+
+class LayerwiseExclusions:
+    """Mixin: the two exclusion lists of LARS and TrustRatio, one way.
+
+    `exclude_from_layer_adaptation=None` means "the weight-decay list";
+    lists are checked at construction, resolved per variable in `build()`
+    (the backing `tf.Variable` that `update_step` sees has no path), and the
+    per-step trust ratios are recorded in an optimizer variable.
+    """
+
+    def _init_exclusions(
+        self, exclude_from_weight_decay, exclude_from_layer_adaptation
+    ):
+        # Stored privately: the Keras base class owns a method called
+        # `exclude_from_weight_decay` and a `_exclude_from_weight_decay` set.
+        self._weight_decay_exclusions = check_patterns(
+            "exclude_from_weight_decay", exclude_from_weight_decay
+        )
+        self._adaptation_exclusions_given = exclude_from_layer_adaptation
+        self._layer_adaptation_exclusions = (
+            self._weight_decay_exclusions
+            if exclude_from_layer_adaptation is None
+            else check_patterns(
+                "exclude_from_layer_adaptation", exclude_from_layer_adaptation
+            )
+        )
+
+    def _resolve_exclusions(self, variables):
+        """Per-variable decay and adaptation, and the `trust_ratios` record."""
+        self._variable_weight_decay = [
+            self.weight_decay
+            if self._use_weight_decay(v)
+            and not matches(self._weight_decay_exclusions, v)
+            else 0.0
+            for v in variables
+        ]
+        self._variable_adapted = [
+            not matches(self._layer_adaptation_exclusions, v) for v in variables
+        ]
+        self.trust_ratio_paths = [variable_path(v) for v in variables]
+        self.trust_ratios = self.add_variable(
+            shape=(len(variables),),
+            initializer="ones",
+            dtype="float32",
+            aggregation="only_first_replica",
+            name="trust_ratios",
+        )
+
+    def _exclusions_config(self):
+        """The two constructor arguments, as `get_config()` reports them."""
+        return {
+            "exclude_from_weight_decay": list(self._weight_decay_exclusions) or None,
+            "exclude_from_layer_adaptation": (
+                None
+                if self._adaptation_exclusions_given is None
+                else list(self._layer_adaptation_exclusions)
+            ),
+        }

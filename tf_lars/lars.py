@@ -12,9 +12,7 @@ from tf_lars import _internals, _lars_fast
 from tf_lars._exclusions import (
     ALL_1D,
     SOURCE_PATH_ATTRIBUTE,
-    check_patterns,
-    matches,
-    variable_path,
+    LayerwiseExclusions,
 )
 from tf_lars._validation import (
     check_bool,
@@ -28,7 +26,7 @@ __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LARS(_lars_fast.CompiledApply, keras.optimizers.Optimizer):
+class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Scaling (LARS).
 
     Each dense variable `w` gets its own trust ratio `T` from the norms of the
@@ -181,19 +179,7 @@ class LARS(_lars_fast.CompiledApply, keras.optimizers.Optimizer):
         )
         self.decay_in_gradient = check_bool("decay_in_gradient", decay_in_gradient)
         self.trust_clip = check_bool("trust_clip", trust_clip)
-        # Stored privately: the base class owns a method called
-        # `exclude_from_weight_decay` and a `_exclude_from_weight_decay` set.
-        self._weight_decay_exclusions = check_patterns(
-            "exclude_from_weight_decay", exclude_from_weight_decay
-        )
-        self._adaptation_exclusions_given = exclude_from_layer_adaptation
-        self._layer_adaptation_exclusions = (
-            self._weight_decay_exclusions
-            if exclude_from_layer_adaptation is None
-            else check_patterns(
-                "exclude_from_layer_adaptation", exclude_from_layer_adaptation
-            )
-        )
+        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
         self._init_compiled_apply()
 
     def build(self, variables):
@@ -209,26 +195,7 @@ class LARS(_lars_fast.CompiledApply, keras.optimizers.Optimizer):
         self.momentums = []
         if self.momentum != 0:
             self.momentums = self.add_optimizer_variables(variables, "momentum")
-        # Resolved here, from the Keras variables: `update_step` receives the
-        # backing `tf.Variable`, which has no path.
-        self._variable_weight_decay = [
-            self.weight_decay
-            if self._use_weight_decay(v)
-            and not matches(self._weight_decay_exclusions, v)
-            else 0.0
-            for v in variables
-        ]
-        self._variable_adapted = [
-            not matches(self._layer_adaptation_exclusions, v) for v in variables
-        ]
-        self.trust_ratio_paths = [variable_path(v) for v in variables]
-        self.trust_ratios = self.add_variable(
-            shape=(len(variables),),
-            initializer="ones",
-            dtype="float32",
-            aggregation="only_first_replica",
-            name="trust_ratios",
-        )
+        self._resolve_exclusions(variables)
 
     def _apply_weight_decay(self, variables):
         # LARS's weight decay is coupled (steps 1 and 2); the base class's
@@ -383,13 +350,7 @@ class LARS(_lars_fast.CompiledApply, keras.optimizers.Optimizer):
                 "trust_ratio": self.trust_ratio,
                 "decay_in_gradient": self.decay_in_gradient,
                 "trust_clip": self.trust_clip,
-                "exclude_from_weight_decay": list(self._weight_decay_exclusions)
-                or None,
-                "exclude_from_layer_adaptation": (
-                    None
-                    if self._adaptation_exclusions_given is None
-                    else list(self._layer_adaptation_exclusions)
-                ),
+                **self._exclusions_config(),
             }
         )
         return config

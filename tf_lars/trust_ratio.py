@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from tf_lars import _lars_fast
-from tf_lars._exclusions import check_patterns, matches, variable_path
+from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import check_bool, check_config_keys, check_number
 from tf_lars._wrapper import InnerOptimizerWrapper
 
@@ -119,7 +119,10 @@ def _step_of(writes, variable):
 
 @keras.saving.register_keras_serializable(package="tf_lars")
 class TrustRatio(
-    InnerOptimizerWrapper, _lars_fast.CompiledApply, keras.optimizers.Optimizer
+    InnerOptimizerWrapper,
+    LayerwiseExclusions,
+    _lars_fast.CompiledApply,
+    keras.optimizers.Optimizer,
 ):
     """A layer-wise trust ratio around any Keras optimizer.
 
@@ -235,17 +238,7 @@ class TrustRatio(
         )
         self._trust_epsilon = check_number("epsilon", epsilon, low=0.0)
         self.trust_clip = check_bool("trust_clip", trust_clip)
-        self._weight_decay_exclusions = check_patterns(
-            "exclude_from_weight_decay", exclude_from_weight_decay
-        )
-        self._adaptation_exclusions_given = exclude_from_layer_adaptation
-        self._layer_adaptation_exclusions = (
-            self._weight_decay_exclusions
-            if exclude_from_layer_adaptation is None
-            else check_patterns(
-                "exclude_from_layer_adaptation", exclude_from_layer_adaptation
-            )
-        )
+        self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
         self._init_compiled_apply()
 
     # ----------------------------------------------------------------- state
@@ -255,24 +248,7 @@ class TrustRatio(
             return
         super().build(variables)
         self.inner_optimizer.build(variables)
-        self._variable_weight_decay = [
-            self.weight_decay
-            if self._use_weight_decay(v)
-            and not matches(self._weight_decay_exclusions, v)
-            else 0.0
-            for v in variables
-        ]
-        self._variable_adapted = [
-            not matches(self._layer_adaptation_exclusions, v) for v in variables
-        ]
-        self.trust_ratio_paths = [variable_path(v) for v in variables]
-        self.trust_ratios = self.add_variable(
-            shape=(len(variables),),
-            initializer="ones",
-            dtype="float32",
-            aggregation="only_first_replica",
-            name="trust_ratios",
-        )
+        self._resolve_exclusions(variables)
 
     @property
     def epsilon(self):
@@ -358,12 +334,7 @@ class TrustRatio(
             "trust_coefficient": self.trust_coefficient,
             "epsilon": self._trust_epsilon,
             "trust_clip": self.trust_clip,
-            "exclude_from_weight_decay": list(self._weight_decay_exclusions) or None,
-            "exclude_from_layer_adaptation": (
-                None
-                if self._adaptation_exclusions_given is None
-                else list(self._layer_adaptation_exclusions)
-            ),
+            **self._exclusions_config(),
             "clipnorm": self.clipnorm,
             "clipvalue": self.clipvalue,
             "global_clipnorm": self.global_clipnorm,
