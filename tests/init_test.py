@@ -3,6 +3,7 @@
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -49,7 +50,6 @@ def test_all_is_sorted_and_every_name_is_registered():
         "TrustRatio",
         "WarmupPolynomialDecay",
     ]
-    assert tf_lars.__version__ == "0.1.0"
     for name in tf_lars.__all__:
         cls = getattr(tf_lars, name)
         assert keras.saving.get_registered_name(cls) == f"tf_lars>{name}"
@@ -100,3 +100,13 @@ def test_the_command_process_defers_tensorflow_until_asked():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False True LARS"
+
+
+def test_version_is_the_newest_changelog_entry():
+    # One source for the version (`tf_lars.__version__`); the changelog's
+    # newest entry names it, so a release cannot ship without its notes.
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    newest = re.search(r"^## (\S+) \(\d{4}-\d{2}-\d{2}\)$", changelog, re.M)
+    assert newest is not None
+    assert newest.group(1) == tf_lars.__version__
+    assert tf_lars.__version__ != "0.1.0"
