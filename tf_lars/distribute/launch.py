@@ -35,6 +35,12 @@ restarted. Otherwise the launcher exits with the failed worker's status
 (128 + the signal number for a signal), after one line with that worker's
 last error message when it is not the echoed one.
 
+One launcher starts at most `TASKS_PER_CPU` (4) tasks per CPU it may use
+(`max_local_tasks()`; a generated cluster counts its chief and ps tasks,
+a `--cluster` the tasks `--tasks` names): a larger cluster is a usage error,
+as are bad flags and a missing program (one line, exit status 2, nothing
+started).
+
 Every task gets `TF_LARS_RESTART`: the number of whole-job restarts so far
 (0 at the first start; in ps mode always 0). Ctrl-C (or SIGTERM) stops every
 task. The state of the cluster (mode, addresses, pids, logs, restarts) is
@@ -435,6 +441,10 @@ def max_local_tasks():
     and MultiWorkerMirroredStrategy's collectives time out when far more
     workers than cores share a machine, so a larger count is refused up
     front instead of starting processes that cannot make progress.
+
+    Returns:
+        int, `TASKS_PER_CPU` times the CPUs this process may run on
+        (`os.sched_getaffinity`, else `os.cpu_count()`).
     """
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -479,7 +489,12 @@ and run the training program on every task.
 
 Each task's full output is in <log-dir>/<type>-<index>.log; the terminal
 shows the program's own lines, with TensorFlow's logging reduced to a note.
-Each task gets TF_LARS_RESTART=<whole-job restarts so far> (0 at first)."""
+Each task gets TF_LARS_RESTART=<whole-job restarts so far> (0 at first).
+
+One launcher starts at most 4 tasks per CPU it may use (chief and ps
+included; with --cluster, the tasks --tasks names). Usage errors (bad flags,
+no program, too many tasks, a bad --cluster) print one line and exit with
+status 2 before anything starts."""
 
 _EPILOG = """\
 Everything after `--` is the training program and its arguments: a script
