@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.distribute_launch_helpers import REPO, launcher_env, read_json, run_launcher
+from tf_lars.distribute import launch
 
 SCRIPT = os.path.join("tests", "distribute_launch_sync_script.py")
 TIMEOUT = 240
@@ -256,15 +257,107 @@ def _launcher(args, tmp_path, program=("examples/agn_digits.py",)):
             "training (MultiWorkerMirroredStrategy) uses only 'worker' tasks (and "
             "at most one 'chief'); remove 'ps' or use parameter-server training.",
         ),
+        (
+            ["--mode", "sync", "--workers", "0"],
+            "error: argument --workers: must be an int >= 1. Received: '0'",
+        ),
+        (
+            ["--mode", "sync", "--workers", "abc"],
+            "error: argument --workers: must be an int >= 1. Received: 'abc'",
+        ),
+        (["--ps", "0"], "error: argument --ps: must be an int >= 1. Received: '0'"),
+        (
+            ["--mode", "sync", "--restart-job", "-1"],
+            "error: argument --restart-job: must be an int >= 0. Received: '-1'",
+        ),
+        (
+            ["--restart-delay", "nan"],
+            "error: argument --restart-delay: must be a finite number >= 0. "
+            "Received: 'nan'",
+        ),
+        (["--bogus"], "error: unrecognized arguments: --bogus"),
     ],
 )
 def test_usage_errors_are_one_line_and_status_2(tmp_path, args, message):
-    result = _launcher(args, tmp_path)
+    _assert_usage_error(_launcher(args, tmp_path), tmp_path, message)
+
+
+def _assert_usage_error(result, tmp_path, message):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == message
     assert result.stdout == ""
     assert os.listdir(tmp_path) == []  # nothing started
+
+
+@pytest.mark.parametrize("program", [[], ["--"], ["--", "-m"]])
+def test_a_missing_program_is_a_usage_error(tmp_path, program):
+    command = [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync"]
+    command += ["--log-dir", str(tmp_path), "--workers", "2", *program]
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _assert_usage_error(
+        result,
+        tmp_path,
+        "error: give the training program after `--`: a script path or `-m "
+        "module`, then its arguments, e.g. `-- examples/agn_digits.py "
+        "--steps-per-worker 300`",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, tasks",
+    [
+        (["--mode", "sync", "--workers", "{over}"], "{over}"),
+        (["--workers", "100000"], "100002"),
+        (["--workers", "1", "--ps", "{over}"], "{over_ps}"),
+    ],
+)
+def test_more_tasks_than_the_machine_takes_are_refused_up_front(tmp_path, args, tasks):
+    # The cap is TASKS_PER_CPU per CPU this process may use; one task more is
+    # refused before any port is picked or process started.
+    limit = launch.max_local_tasks()
+    assert limit == launch.TASKS_PER_CPU * len(os.sched_getaffinity(0))
+    values = {"over": str(limit + 1), "over_ps": str(limit + 1 + 2)}
+    args = [a.format(**values) for a in args]
+    received = " ".join(
+        ["--mode", args[1]] + args[2:]
+        if args[0] == "--mode"
+        else ["--mode", "ps", *args]
+    )
+    _assert_usage_error(
+        _launcher(args, tmp_path),
+        tmp_path,
+        f"error: the launcher starts at most {launch.TASKS_PER_CPU} tasks per CPU "
+        f"here ({limit}); this cluster has {tasks.format(**values)} tasks to start. "
+        f"Received: {received}",
+    )
+
+
+def test_the_task_cap_counts_every_task_started_here():
+    limit = launch.max_local_tasks()
+    assert launch._task_count_error(limit, "x") is None
+    assert "Received: x" in launch._task_count_error(limit + 1, "x")
+    cluster = json.dumps(
+        {"worker": [f"localhost:{2000 + i}" for i in range(limit + 1)]}
+    )
+    assert launch._check_args(
+        launch.build_parser().parse_args(
+            ["--mode", "sync", "--cluster", cluster, "--tasks", "worker:0,worker:1"]
+        ),
+        ["x.py"],
+    )[1] == json.loads(cluster)
+    with pytest.raises(launch._UsageError, match=f"has {limit + 1} tasks to start"):
+        launch._check_args(
+            launch.build_parser().parse_args(["--mode", "sync", "--cluster", cluster]),
+            ["x.py"],
+        )
 
 
 def test_tasks_starts_only_the_named_worker(tmp_path):

@@ -183,8 +183,9 @@ def test_launcher_needs_a_program():
             text=True,
             timeout=60,
         )
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert "error: give the training program after `--`" in proc.stderr
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.startswith("error: give the training program after `--`")
+        assert len(proc.stderr.splitlines()) == 1
 
 
 # ------------------------------------------------------------ terminal filter

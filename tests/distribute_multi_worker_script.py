@@ -177,6 +177,66 @@ def custom_loop_case(strategy, make_model, x, y):
     return weights(model), sparse
 
 
+# ------------------------------------------------ LAMB files across modes
+def lamb_model():
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ],
+        name="lamb_net",
+    )
+    model.compile(tf_lars.LAMB(0.05, weight_decay=1e-2), "mse")
+    return model
+
+
+def lamb_state(model, prefix):
+    """`{prefix}_paths` and `{prefix}_<i>`: every variable, in order."""
+    variables = [*model.weights, *model.optimizer.variables]
+    state = {f"{prefix}_{i}": v.numpy() for i, v in enumerate(variables)}
+    state[f"{prefix}_paths"] = np.asarray([v.path for v in variables])
+    return state
+
+
+def lamb_fit(model, strategy):
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        distribute.enable_multi_worker_fit(model)
+    model.fit(dataset(X, Y), epochs=1, verbose=0, shuffle=False)
+
+
+def lamb_files_case(strategy, out, mode, load_from):
+    """Trains LAMB 1 epoch, writes `<mode>-lamb.keras` and `<mode>-lamb-ckpt`
+    (worker 1 to a scratch directory), trains 1 more; with `load_from`,
+    loads the one process's files and trains 1 more epoch from each."""
+    with strategy.scope():
+        model = lamb_model()
+    lamb_fit(model, strategy)
+    results = lamb_state(model, "saved")
+    where = out if mode in ("single", "worker0") else os.path.join(out, mode)
+    os.makedirs(where, exist_ok=True)
+    model.save(os.path.join(where, f"{mode}-lamb.keras"))
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    checkpoint.write(os.path.join(where, f"{mode}-lamb-ckpt"))
+    lamb_fit(model, strategy)
+    results.update(lamb_state(model, "continued"))
+    if load_from:
+        with strategy.scope():
+            loaded = keras.saving.load_model(
+                os.path.join(load_from, "single-lamb.keras")
+            )
+            restored = lamb_model()
+            restored.optimizer.build(restored.trainable_variables)
+        checkpoint = tf.train.Checkpoint(model=restored, optimizer=restored.optimizer)
+        checkpoint.read(os.path.join(load_from, "single-lamb-ckpt")).assert_consumed()
+        for name, loaded_model in (("keras", loaded), ("ckpt", restored)):
+            results.update(lamb_state(loaded_model, f"loaded_{name}"))
+            lamb_fit(loaded_model, strategy)
+            results.update(lamb_state(loaded_model, f"loaded_{name}_continued"))
+    return results
+
+
 def main(out):
     multi = "TF_CONFIG" in os.environ
     if multi:
@@ -186,7 +246,8 @@ def main(out):
     else:
         strategy = tf.distribute.get_strategy()
         mode = "single"
-    results = {}
+    # First: the one process's LAMB is named `lamb` (auto names count up).
+    results = lamb_files_case(strategy, out, mode, os.environ.get("LAMB_LOAD_FROM"))
     if multi:
         try:
             fit_case(strategy, dense_model, X, Y, workaround=False)

@@ -1,11 +1,13 @@
 """One worker of a 2-worker MWMS job that trains with `BackupAndRestore`.
 
-    distribute_preempt_script.py OUT BACKUP_DIR [--kill EPOCH:BATCH]
+    distribute_preempt_script.py OUT BACKUP_DIR [--kill EPOCH:BATCH] [--batch-norm]
 
 With `--kill`, worker 1 SIGKILLs itself after that batch on the job's first
 run (`TF_LARS_RESTART` unset or 0), so the launcher restarts the whole job,
-which resumes from worker 0's backup. Writes under OUT, each `.npz` holding
-the model's weights and every optimizer variable by path:
+which resumes from worker 0's backup. With `--batch-norm`, the model has two
+`BatchNormalization` layers, `bn_synchronized` (`synchronized=True`) and
+`bn_local` (the default, each worker's own statistics). Writes under OUT,
+each `.npz` holding the model's weights and every optimizer variable by path:
 
 - `restart<R>-worker<I>-begin.npz`: the state once `fit` has restored it,
   with `restored_epoch`;
@@ -55,14 +57,22 @@ def dataset():
     return data.with_options(options)
 
 
-def make_model():
+def make_model(batch_norm=False):
     keras.utils.set_random_seed(5)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="tanh"),
-            keras.layers.Dense(1, dtype="float32"),
+    hidden = [keras.layers.Dense(8, activation="tanh")]
+    if batch_norm:
+        hidden = [
+            keras.layers.Dense(8),
+            keras.layers.BatchNormalization(
+                momentum=0.5, synchronized=True, name="bn_synchronized"
+            ),
+            keras.layers.Activation("tanh"),
+            keras.layers.Dense(4),
+            keras.layers.BatchNormalization(momentum=0.5, name="bn_local"),
+            keras.layers.Activation("tanh"),
         ]
+    model = keras.Sequential(
+        [keras.Input((6,)), *hidden, keras.layers.Dense(1, dtype="float32")]
     )
     schedule = tf_lars.WarmupPolynomialDecay(
         peak_learning_rate=0.5, warmup_steps=3, decay_steps=10
@@ -115,13 +125,13 @@ class Record(keras.callbacks.Callback):
             self._save(f"restart{self.restart}-epoch{epoch + 1}")
 
 
-def main(out, backup_dir, kill):
+def main(out, backup_dir, kill, batch_norm):
     restart = int(os.environ.get("TF_LARS_RESTART", "0"))
     config = distribute.parse_tf_config(mode="sync")
     strategy = distribute.multi_worker_strategy(config, communication_timeout=60)
     keras.config.set_dtype_policy("mixed_float16")
     with strategy.scope():
-        model = make_model()
+        model = make_model(batch_norm)
     distribute.enable_multi_worker_fit(model)
     backup = BackupAndRestore(backup_dir)
     kill_here = kill if restart == 0 and config.task_index == 1 else None
@@ -145,11 +155,14 @@ def main(out, backup_dir, kill):
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
+    batch_norm = "--batch-norm" in arguments
+    if batch_norm:
+        arguments.remove("--batch-norm")
     kill = None
     if "--kill" in arguments:
         at = arguments.index("--kill")
         kill = tuple(int(part) for part in arguments[at + 1].split(":"))
         del arguments[at : at + 2]
-    main(*arguments, kill)
+    main(*arguments, kill, batch_norm)
     sys.stdout.flush()
     os._exit(0)

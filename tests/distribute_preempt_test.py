@@ -20,7 +20,12 @@ import tensorflow as tf
 import tf_lars
 from tests import distribute_preempt_script as script
 from tests.distribute_launch_helpers import REPO, launcher_env
-from tf_lars.distribute.multi_worker import BackupAndRestore, _as_bits, _from_bits
+from tf_lars.distribute.multi_worker import (
+    BackupAndRestore,
+    _as_bits,
+    _from_bits,
+    _unsynchronized_batch_norm_layers,
+)
 
 SCRIPT = os.path.join("tests", "distribute_preempt_script.py")
 KILL = "2:1"  # worker 1, third epoch, after its second batch
@@ -75,13 +80,23 @@ def _logs(root):
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """The interrupted job and an uninterrupted one, run side by side."""
+    return _run_jobs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def batch_norm_jobs(tmp_path_factory):
+    """The same pair with two BatchNormalization layers in the model."""
+    return _run_jobs(tmp_path_factory, "--batch-norm")
+
+
+def _run_jobs(tmp_path_factory, *program_args):
     roots = {
         name: str(tmp_path_factory.mktemp(name))
         for name in ("interrupted", "uninterrupted")
     }
     launched = {
-        "interrupted": _launch(roots["interrupted"], "--kill", KILL),
-        "uninterrupted": _launch(roots["uninterrupted"]),
+        "interrupted": _launch(roots["interrupted"], "--kill", KILL, *program_args),
+        "uninterrupted": _launch(roots["uninterrupted"], *program_args),
     }
     outputs = {}
     try:
@@ -97,8 +112,10 @@ def jobs(tmp_path_factory):
             f"{name}: {outputs[name][-3000:]}\n{_logs(roots[name])}"
         )
     return {
-        name: {"out": out, "backup": backup, "output": outputs[name]}
-        for name, (_, out, backup) in launched.items()
+        name: {"out": out, "backup": backup, "output": outputs[name], "root": root}
+        for (name, (_, out, backup)), root in zip(
+            launched.items(), roots.values(), strict=True
+        )
     }
 
 
@@ -171,6 +188,49 @@ def test_resumed_job_ends_exactly_where_the_uninterrupted_one_does(jobs):
         # steps run the same operations on the same batches.
         _assert_same_state(actual, expected)
         np.testing.assert_array_equal(actual["loss"], expected["loss"][2:])
+
+
+@pytest.mark.slow
+def test_batch_norm_resume_what_is_equal(batch_norm_jobs):
+    # Keys of the moving statistics of the two layers (`bn_local` keeps each
+    # worker's own, `bn_synchronized` those of the global batch).
+    run, alone = batch_norm_jobs["interrupted"], batch_norm_jobs["uninterrupted"]
+    moving = {
+        layer: [f"sequential|{layer}|moving_{s}" for s in ("mean", "variance")]
+        for layer in ("bn_local", "bn_synchronized")
+    }
+    alone_ends = [_load(alone, f"worker{worker}-end") for worker in (0, 1)]
+    for key in moving["bn_synchronized"]:
+        np.testing.assert_array_equal(alone_ends[1][key], alone_ends[0][key])
+    for key in moving["bn_local"]:
+        assert np.max(np.abs(alone_ends[1][key] - alone_ends[0][key])) > 1e-3
+    ends = [_load(run, f"worker{worker}-end") for worker in (0, 1)]
+    assert [int(end["restored_epoch"]) for end in ends] == [2, 2]
+    # Worker 0 (which wrote the backup) ends exactly as uninterrupted.
+    _assert_same_state(ends[0], alone_ends[0])
+    # Worker 1: everything but `bn_local`'s statistics exactly as
+    # uninterrupted; those started from worker 0's at the restore.
+    local = set(moving["bn_local"])
+    _assert_same_state(
+        {k: v for k, v in ends[1].items() if k not in local},
+        {k: v for k, v in alone_ends[1].items() if k not in local},
+    )
+    restored, backed_up = (
+        _load(run, "restart1-worker1-begin"),
+        _load(run, "restart0-epoch2"),
+    )
+    for key in local:
+        np.testing.assert_array_equal(restored[key], backed_up[key])
+        assert np.max(np.abs(ends[1][key] - alone_ends[1][key])) > 0
+    # Every worker of both jobs was warned, naming only the local layer.
+    for job in (run, alone):
+        for worker in (0, 1):
+            path = os.path.join(job["root"], "logs", f"worker-{worker}.log")
+            with open(path) as handle:
+                assert (
+                    "UserWarning: BatchNormalization layer(s) ['bn_local'] are not "
+                    "synchronized"
+                ) in handle.read()
 
 
 @pytest.mark.slow
@@ -323,6 +383,21 @@ def test_broadcast_bits_round_trip_exactly(dtype, values):
         tf.bitcast(back, tf.uint8).numpy() if dtype.is_floating else back.numpy(),
         tf.bitcast(value, tf.uint8).numpy() if dtype.is_floating else value.numpy(),
     )
+
+
+def test_unsynchronized_batch_norm_layers_are_found_in_nested_models():
+    inner = keras.Sequential(
+        [keras.Input((3,)), keras.layers.BatchNormalization(name="inner_local")]
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.BatchNormalization(synchronized=True, name="synced"),
+            inner,
+            keras.layers.BatchNormalization(name="outer_local"),
+        ]
+    )
+    assert _unsynchronized_batch_norm_layers(model) == ["inner_local", "outer_local"]
 
 
 def test_arguments_are_checked():

@@ -62,6 +62,12 @@ def test_reads_the_environment_and_accepts_indexed_objects():
         (_config("worker", 2), r"`task.index` must be an int in \[0, 2\)"),
         (_config("worker", -1), r"`task.index` must be an int in \[0, 2\)"),
         (_config("worker", True), r"`task.index` must be an int"),
+        (
+            _config("worker", "0"),
+            r"`task.index` must be an int in \[0, 2\) for task type 'worker'\. "
+            r"Received: index='0'",
+        ),
+        (_config("worker", 0.0), r"Received: index=0\.0"),
         (json.dumps({"cluster": CLUSTER}), "must have a 'task' object"),
         (
             _config(cluster={k: v for k, v in CLUSTER.items() if k != "ps"}),
@@ -120,6 +126,7 @@ def _run(args, tf_config=None, timeout=120):
     [
         ('{"cluster": ', "error: TF_CONFIG is not valid JSON"),
         (_config("master", 0), "error: TF_CONFIG names task type 'master'"),
+        (_config("worker", "0"), "error: `task.index` must be an int in [0, 2)"),
     ],
 )
 def test_entry_point_fails_before_any_work(tf_config, message, tmp_path):

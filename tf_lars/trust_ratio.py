@@ -247,7 +247,11 @@ class TrustRatio(
         if self.built:
             return
         super().build(variables)
-        self.inner_optimizer.build(variables)
+        # Inside this optimizer's name scope, as when `apply` builds it: the
+        # inner slots are `<name>/<inner name>/...` however the build is
+        # reached (`fit` under MultiWorkerMirroredStrategy calls `build`).
+        with keras.name_scope(self.name, caller=self):
+            self.inner_optimizer.build(variables)
         self._resolve_exclusions(variables)
 
     @property

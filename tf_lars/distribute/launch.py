@@ -35,6 +35,12 @@ restarted. Otherwise the launcher exits with the failed worker's status
 (128 + the signal number for a signal), after one line with that worker's
 last error message when it is not the echoed one.
 
+One launcher starts at most `TASKS_PER_CPU` (4) tasks per CPU it may use
+(`max_local_tasks()`; a generated cluster counts its chief and ps tasks,
+a `--cluster` the tasks `--tasks` names): a larger cluster is a usage error,
+as are bad flags and a missing program (one line, exit status 2, nothing
+started).
+
 Every task gets `TF_LARS_RESTART`: the number of whole-job restarts so far
 (0 at the first start; in ps mode always 0). Ctrl-C (or SIGTERM) stops every
 task. The state of the cluster (mode, addresses, pids, logs, restarts) is
@@ -290,9 +296,12 @@ _PROGRAM_HELP = (
 
 
 def _program_command(program, python):
-    """The command of each task: `python script args` or `python -m module args`."""
+    """The command of each task: `python script args` or `python -m module args`.
+
+    Returns None when `program` names no program (a usage error).
+    """
     if not program or program == ["-m"]:
-        raise SystemExit(f"error: {_PROGRAM_HELP}")
+        return None
     head, *rest = program
     if head == "-m":
         return [python, "-m", *rest]
@@ -392,25 +401,74 @@ def _parse_task_list(text, cluster):
     return tasks
 
 
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(lowest):
+    """An argparse type: an int >= `lowest`, with a one-line error otherwise."""
 
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lowest:
+            raise argparse.ArgumentTypeError(
+                f"must be an int >= {lowest}. Received: {text!r}"
+            )
+        return value
 
-def _non_negative(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return parse
 
 
 def _non_negative_float(text):
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number >= 0. Received: {text!r}"
+        )
     return value
+
+
+#: Local tasks the launcher starts per CPU at most (`max_local_tasks`).
+TASKS_PER_CPU = 4
+
+
+def max_local_tasks():
+    """The most tasks one launcher starts: `TASKS_PER_CPU` per usable CPU.
+
+    Each task is a TensorFlow process (hundreds of MB, dozens of threads),
+    and MultiWorkerMirroredStrategy's collectives time out when far more
+    workers than cores share a machine, so a larger count is refused up
+    front instead of starting processes that cannot make progress.
+
+    Returns:
+        int, `TASKS_PER_CPU` times the CPUs this process may run on
+        (`os.sched_getaffinity`, else `os.cpu_count()`).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return TASKS_PER_CPU * max(1, cpus)
+
+
+def _task_count_error(count, received):
+    """The one-line usage error for too many local tasks, or None."""
+    limit = max_local_tasks()
+    if count <= limit:
+        return None
+    return (
+        f"the launcher starts at most {TASKS_PER_CPU} tasks per CPU here "
+        f"({limit}); this cluster has {count} tasks to start. Received: {received}"
+    )
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """Usage errors as one line (`error: ...`) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
 
 
 _DESCRIPTION = """\
@@ -431,7 +489,12 @@ and run the training program on every task.
 
 Each task's full output is in <log-dir>/<type>-<index>.log; the terminal
 shows the program's own lines, with TensorFlow's logging reduced to a note.
-Each task gets TF_LARS_RESTART=<whole-job restarts so far> (0 at first)."""
+Each task gets TF_LARS_RESTART=<whole-job restarts so far> (0 at first).
+
+One launcher starts at most 4 tasks per CPU it may use (chief and ps
+included; with --cluster, the tasks --tasks names). Usage errors (bad flags,
+no program, too many tasks, a bad --cluster) print one line and exit with
+status 2 before anything starts."""
 
 _EPILOG = """\
 Everything after `--` is the training program and its arguments: a script
@@ -444,7 +507,7 @@ path, `-m module`, or a module name. Examples:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="python -m tf_lars.distribute.launch",
         description=_DESCRIPTION,
         epilog=_EPILOG,
@@ -460,11 +523,17 @@ def build_parser():
         ),
     )
     parser.add_argument(
-        "--workers", type=_positive, default=2, help="worker tasks (default 2)"
+        "--workers",
+        type=_int_at_least(1),
+        default=2,
+        help=(
+            "worker tasks (default 2); at most "
+            f"{TASKS_PER_CPU} tasks per CPU in all (chief and ps included)"
+        ),
     )
     parser.add_argument(
         "--ps",
-        type=_positive,
+        type=_int_at_least(1),
         default=None,
         help="parameter-server tasks (ps mode only; default 1)",
     )
@@ -501,7 +570,7 @@ def build_parser():
     )
     parser.add_argument(
         "--restart-job",
-        type=_non_negative,
+        type=_int_at_least(0),
         default=None,
         metavar="N",
         help=(
@@ -568,20 +637,37 @@ def _read_cluster(text, mode):
     return tf_config_lib.validate_cluster(cluster, mode=mode)
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, program = _split_argv(argv)
-    args = build_parser().parse_args(own)
+class _UsageError(Exception):
+    """A usage error: one line on stderr, exit status 2, nothing started."""
+
+
+def _check_args(args, program):
+    """The task command and the `--cluster` (or None), or a `_UsageError`."""
     command = _program_command(program, args.python)
+    if command is None:
+        raise _UsageError(_PROGRAM_HELP)
     message = _mode_error(args)
     if message:
-        return _usage_error(message)
-
+        raise _UsageError(message)
     try:
         cluster = _read_cluster(args.cluster, args.mode) if args.cluster else None
+        if cluster is None:
+            count = args.workers + (0 if args.mode == "sync" else 1 + (args.ps or 1))
+            received = f"--mode {args.mode} --workers {args.workers}"
+            received += f" --ps {args.ps}" if args.ps else ""
+        else:
+            count = len(_parse_task_list(args.tasks, cluster))
+            received = f"--cluster with {count} tasks to start here"
     except (tf_config_lib.TFConfigError, OSError) as error:
-        return _usage_error(error)
+        raise _UsageError(str(error)) from None
+    message = _task_count_error(count, received)
+    if message:
+        raise _UsageError(message)
+    return command, cluster
 
+
+def _enter_network(args, cluster):
+    """Enters the private network when asked and possible: "private" or "host"."""
     local = (
         all(tf_config_lib.is_local_address(a) for v in cluster.values() for a in v)
         if cluster
@@ -594,22 +680,34 @@ def main(argv=None):
             network = "private"
         except OSError as error:
             if args.network == "private" or isinstance(error, NamespaceSetupError):
-                return _usage_error(
+                raise _UsageError(
                     f"--network {args.network}: {error} (pass --network "
                     "host to use the machine's network)"
-                )
+                ) from None
             _log(
                 f"WARNING: no private network namespace ({error}); TensorFlow's "
                 "unauthenticated gRPC servers listen on all interfaces of this "
                 "machine."
             )
     elif args.network == "private":
-        return _usage_error("--network private needs every cluster address to be local")
+        raise _UsageError("--network private needs every cluster address to be local")
     if network == "host":
         _log(
             "WARNING: TensorFlow's gRPC servers have no authentication and listen "
             "on all interfaces; keep these ports unreachable from untrusted hosts."
         )
+    return network
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, program = _split_argv(argv)
+    args = build_parser().parse_args(own)
+    try:
+        command, cluster = _check_args(args, program)
+        network = _enter_network(args, cluster)
+    except _UsageError as error:
+        return _usage_error(error)
 
     generated = cluster is None
     try:

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import keras
 import tensorflow as tf
@@ -298,6 +299,44 @@ def _broadcast_from_first_replica(strategy, values):
     ]
 
 
+def _unsynchronized_batch_norm_layers(model):
+    """Names of the `BatchNormalization` layers without `synchronized=True`.
+
+    Searches `model.layers`, nested models included. Under
+    `MultiWorkerMirroredStrategy` each worker updates such a layer's moving
+    statistics from its own part of the batch, so they differ between
+    workers (the trainable weights do not).
+
+    Args:
+        model: a `keras.Model`.
+
+    Returns:
+        list of str, in layer order.
+    """
+    names = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            if not layer.synchronized:
+                names.append(layer.name)
+        elif isinstance(layer, keras.Model):
+            names += _unsynchronized_batch_norm_layers(layer)
+    return names
+
+
+def _warn_unsynchronized_batch_norm(model, strategy):
+    names = _unsynchronized_batch_norm_layers(model)
+    if names and strategy.num_replicas_in_sync > 1:
+        warnings.warn(
+            f"BatchNormalization layer(s) {names} are not synchronized: each "
+            "worker keeps its own moving statistics, and a restore by "
+            "BackupAndRestore gives every worker the chief's. Pass "
+            "`synchronized=True` so that every worker has the same statistics "
+            "and a resumed job ends where an uninterrupted one does.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the training state after each epoch; resumes `fit` from it.
 
@@ -329,6 +368,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     Not restored: metrics (reset at each epoch anyway) and the state of
     layers that draw random numbers in training (`Dropout`,
     random augmentation), whose masks then differ from an uninterrupted run.
+
+    BatchNormalization under MWMS: use `synchronized=True`. Otherwise each
+    worker keeps its own moving statistics, a restore gives every worker the
+    chief's, and the other workers' statistics then differ from an
+    uninterrupted run's (their trainable weights and optimizer state do
+    not); `fit` warns about such layers when there is more than one worker.
 
     The resumed run equals an uninterrupted one exactly when each epoch's
     batches do not depend on how many epochs this process has already run:
@@ -412,6 +457,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 model.optimizer.build(model.trainable_variables)
         multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         if multi_worker:
+            _warn_unsynchronized_batch_norm(model, strategy)
             resolver = strategy.cluster_resolver
             cluster = resolver.cluster_spec().as_dict()
             self._writes = not cluster or _is_chief_task(

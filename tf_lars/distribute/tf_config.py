@@ -256,7 +256,7 @@ def parse_tf_config(text=None, environ=None, mode="ps"):
     Raises:
         TFConfigError: when `TF_CONFIG` is missing, is not JSON, has no
             `cluster` or `task`, names a task type that does not exist, or an
-            index out of range.
+            index that is not a JSON int (the string "0" too) or out of range.
     """
     if text is None:
         environ = os.environ if environ is None else environ
@@ -301,9 +301,9 @@ def parse_tf_config(text=None, environ=None, mode="ps"):
             "TF_CONFIG's 'task' must have an 'index' (the task's position in "
             f"its list). Received: task={_short(task)!r}"
         )
+    # Only a JSON int is an index: a string such as "0" is a malformed
+    # TF_CONFIG (a quoting mistake upstream), refused rather than guessed at.
     task_index = task["index"]
-    if isinstance(task_index, str) and task_index.isdigit():
-        task_index = int(task_index)
     if (
         isinstance(task_index, bool)
         or not isinstance(task_index, int)
