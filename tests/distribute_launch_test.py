@@ -21,7 +21,7 @@ from tests.distribute_launch_helpers import (
 )
 from tf_lars.distribute.log_filter import TerminalFilter, filter_lines, last_error_line
 
-# The accuracy this run reaches is stated in the README (AGN section); the bar
+# The accuracy this run reaches is stated in docs/guides/parameter-servers.md; the bar
 # leaves room for the random worker interleaving (measured 0.975-0.986).
 ACCURACY = 0.95
 

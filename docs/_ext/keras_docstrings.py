@@ -59,12 +59,16 @@ def _split_multi_names(lines):
             continue
         indent, names, text = match.groups()
         parts = [text.strip()]
-        while index < len(lines) and lines[index].strip() and (
-            len(lines[index]) - len(lines[index].lstrip()) > len(indent)
+        while (
+            index < len(lines)
+            and lines[index].strip()
+            and (len(lines[index]) - len(lines[index].lstrip()) > len(indent))
         ):
             parts.append(lines[index].strip())
             index += 1
-        out += [f"{indent}{name.strip()}: {' '.join(parts)}" for name in names.split(",")]
+        out += [
+            f"{indent}{name.strip()}: {' '.join(parts)}" for name in names.split(",")
+        ]
     return out
 
 
