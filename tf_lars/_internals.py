@@ -2,13 +2,13 @@
 
 Nothing else in tf_lars imports `tensorflow.python`, `keras.src` or
 `tf.__internal__`, or reads a `_private` attribute of a TensorFlow object.
-Each access below says why no public API serves; the README's development
-section lists them too. They were written against, and are tested with, the
-versions in `SUPPORTED`; importing this module (which `import tf_lars` does)
-with any other installed version raises `UnsupportedVersionError`, naming both
-installed versions and the supported range, instead of failing later in an
-obscure way. Set `TF_LARS_SKIP_VERSION_CHECK=1` to try other versions at your
-own risk.
+Each access below says why no public API serves (the documentation's
+development guide shows this list; it is kept only here). They were written
+against, and are tested with, the versions in `SUPPORTED`; importing this
+module (which `import tf_lars` does) with any other installed version raises
+`UnsupportedVersionError`, naming both installed versions and the supported
+range, instead of failing later in an obscure way. Set
+`TF_LARS_SKIP_VERSION_CHECK=1` to try other versions at your own risk.
 
 The accesses:
 

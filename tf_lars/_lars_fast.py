@@ -4,7 +4,7 @@
 step; this module holds the three things that make that rule cheap on a CPU,
 none of which changes a result. Figures are from `tf-lars bench`
 (`python -m tf_lars.cli.bench`) on ResNet-50's 214 trainable variable shapes,
-on a 2-core CPU; the README's "Speed" section has the full tables.
+on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the full tables.
 
 1. **Batched, folded norms** (`squared_norm`, `batched_trust_ratios`): stand in
    for one `tf.reduce_sum(tf.square(x))` per tensor and for per-variable

@@ -134,13 +134,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     local steps it commits: the accumulator divided by the period is applied
     to the center variables by the inner optimizer, the local copy is reset to
     the center, and the accumulator to zero (the TF contrib `AGNOptimizer`
-    seed, with the Keras 3 inner optimizer in place of the TF1 one):
-
-    ```
-    every step:     local <- inner_local.update(local, g);   a <- a + g
-    every P steps:  center <- inner_center.update(center, a / P)   # commit
-                    local <- center;  a <- 0
-    ```
+    seed, with the Keras 3 inner optimizer in place of the TF1 one). The rule
+    is stated once, in docs/algorithms.md, section "AGN".
 
     Two ways to run it:
 

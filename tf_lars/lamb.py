@@ -33,15 +33,9 @@ class LAMB(TrustRatio):
 
     `tf_lars.TrustRatio` around Adam; `optimizer.inner_optimizer` is the
     Adam (a `keras.optimizers.Adam` whose `epsilon` is added after the bias
-    correction, as every LAMB does). Per variable, at step `t`:
-
-    ```
-    m <- b1 m + (1 - b1) g              v <- b2 v + (1 - b2) g**2
-    u = (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + epsilon) + wd * w
-    T = trust_coefficient * |w| / |u|   (1 if |w| == 0 or |u| == 0, or excluded)
-    T = min(T, 1)                       trust_clip=True
-    w <- w - lr * T * u
-    ```
+    correction, as every LAMB does). Per variable, Adam's bias-corrected
+    direction plus weight decay is rescaled by a layer-wise trust ratio; the
+    rule is stated once, in docs/algorithms.md, section "TrustRatio and LAMB".
 
     `LAMB(learning_rate=lr, beta_1=b1, beta_2=b2, epsilon=eps,
     weight_decay=wd)` equals `optax.lamb(lr, b1, b2, eps, weight_decay=wd)`

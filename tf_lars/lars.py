@@ -29,33 +29,14 @@ __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
 class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Scaling (LARS).
 
-    Each dense variable `w` gets its own trust ratio `T` from the norms of the
+    Each dense variable gets its own trust ratio from the norms of the
     variable and its gradient, so that every layer moves by a similar
-    fraction of its size whatever the batch size. With `momentum` `mu`,
-    weight decay `wd` and learning rate `lr` (defaults shown):
-
-    ```
-    g' = g + wd * w                                   # decay_in_gradient
-    T  = trust_coefficient * |w| / (|g| + wd * |w| + epsilon)   # "paper"
-    T  = trust_coefficient * |w| / (|g'| + epsilon)             # "decayed"
-    T  = 1 if |w| == 0 or the gradient norm == 0, or w is excluded
-    r  = lr * T                  (trust_clip: r = min(T, lr))
-    v  = mu * v + r * g'         w = w - v            # classic_momentum
-    v  = mu * v + g'             w = w - r * v        # classic_momentum=False
-    ```
-
-    Sparse `tf.IndexedSlices` gradients (embeddings) skip the trust ratio and
-    weight decay: duplicate indices are summed and only the touched rows of
-    the variable and its momentum change (`v[i] = mu * v[i] + lr * g[i];
-    w[i] -= v[i]`, or `v[i] = mu * v[i] + g[i]; w[i] -= lr * v[i]` with
-    `classic_momentum=False`).
-
-    Flags reproduce the well-known variants (docs/algorithms.md has the
-    table): the defaults are You et al. 2017, MLPerf and MXNet; TF contrib's
-    `LARSOptimizer` is `classic_momentum=False, decay_in_gradient=False`; TF
-    Model Garden and optax `lars` are `trust_ratio="decayed"` (Model Garden:
-    `epsilon=0`); timm `Lars(trust_clip=True)` and apex `LARC(clip=True)` are
-    `trust_clip=True`.
+    fraction of its size whatever the batch size; sparse `tf.IndexedSlices`
+    gradients (embeddings) update only the touched rows, without trust ratio
+    or weight decay. The rule, every flag, and the published variants the
+    flags reproduce (You et al. 2017, TF contrib, TF Model Garden, optax,
+    MXNet, timm/apex LARC) are stated once, in docs/algorithms.md, section
+    "LARS".
 
     Args:
         learning_rate: float, a `keras.optimizers.schedules.LearningRateSchedule`

@@ -80,18 +80,11 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
     For mixed-precision training (`keras.mixed_precision.set_global_policy(
     "mixed_float16")`): small float16 gradients underflow to zero unless the
     loss is multiplied by a large scale `S` before differentiation. This
-    wrapper owns `S`; `model.fit` calls `scale_loss` for you. Each step:
-
-    ```
-    g = grads of (S * loss)
-    if every entry of every g is finite:            # one on-device tf.cond
-        inner_optimizer.apply(g / S)                # the unscaled gradient
-        dynamic: after `dynamic_growth_steps` finite steps in a row, S <- 2 S
-    else:                                           # the step is skipped
-        no model variable, inner slot or inner `iterations` changes
-        skipped_steps <- skipped_steps + 1
-        dynamic: S <- S / 2
-    ```
+    wrapper owns `S`; `model.fit` calls `scale_loss` for you. Each step it
+    unscales the gradients and applies them if every entry is finite, or
+    skips the step (and, with `dynamic=True`, halves `S`) if not; the rule,
+    growth included, is stated once, in docs/algorithms.md, section "Loss
+    scaling".
 
     With `dynamic=False` the scale is `initial_scale` forever (TF contrib's
     `FixedLossScaleManager`); non-finite steps are still skipped and counted.

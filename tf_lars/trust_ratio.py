@@ -127,18 +127,11 @@ class TrustRatio(
     """A layer-wise trust ratio around any Keras optimizer.
 
     Each step the inner optimizer computes its step for every variable as
-    usual (`w <- w - lr * d`: Adam's `m_hat / (sqrt(v_hat) + eps)`, SGD's
-    momentum, Lion's sign, ...) and updates its own slots exactly as it
-    would alone; the wrapper adds weight decay to the direction and rescales
-    it per variable (LAMB's Algorithm 2, optax's `scale_by_trust_ratio`):
-
-    ```
-    u = d + wd * w
-    T = trust_coefficient * |w| / (|u| + epsilon)
-    T = 1  if |w| == 0 or |u| == 0, or w is excluded from adaptation
-    T = min(T, 1)                    trust_clip=True (timm, LARC clip)
-    w <- w - lr * T * u
-    ```
+    usual (Adam's, SGD's momentum, Lion's sign, ...) and updates its own
+    slots exactly as it would alone; the wrapper adds weight decay to that
+    step and rescales it per variable by a trust ratio (LAMB's Algorithm 2,
+    optax's `scale_by_trust_ratio`). The rule is stated once, in
+    docs/algorithms.md, section "TrustRatio and LAMB".
 
     Norms are of the whole tensor, computed in float32 (float64 for float64
     variables). Sparse gradients (`tf.IndexedSlices`) take the inner
