@@ -279,7 +279,12 @@ def _bad_data_cases(tmp_path):
     )
     text = tmp_path / "text.npz"
     text.write_text("not an archive")
-    cases["not npz"] = (str(text), [], "cannot read as .npz")
+    cases["not npz"] = (
+        str(text),
+        [],
+        "not an .npz archive; the file must be what numpy.savez writes, with the "
+        "numeric arrays x_train, y_train, x_test, y_test",
+    )
     renamed = {("X_train" if k == "x_train" else k): v for k, v in good.items()}
     cases["wrong names"] = (
         _write_npz(tmp_path / "names.npz", **renamed),

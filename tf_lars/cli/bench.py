@@ -261,8 +261,12 @@ def _print_paired_table(title, rows, groups):
             ratios = sorted(
                 c / b for b, c in zip(rows[baseline], rows[name], strict=True)
             )
+            # Inclusive quartiles stay within the data; the default
+            # ("exclusive") extrapolates beyond it for few samples.
             quartiles = (
-                statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                statistics.quantiles(ratios, n=4, method="inclusive")
+                if len(ratios) > 1
+                else ratios * 3
             )
             print(
                 f"{name:{width}}{statistics.median(rows[name]) * 1e3:>18.2f}"

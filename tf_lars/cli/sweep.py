@@ -190,6 +190,7 @@ def execute(config, tasks, workers, out=print, results=None):
             f"{result['seconds']:5.1f}s  elapsed {elapsed:5.0f}s  "
             f"eta {remaining:4.0f}s {status}".rstrip()
         )
+        sys.stdout.flush()  # progress, live through a pipe too
         results[index] = result
 
     # Most expensive first (smallest batches take the most steps), so the
