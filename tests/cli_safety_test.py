@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pytest
 
-from tf_lars.cli import preflight
 from tf_lars.cli.main import main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -87,6 +86,8 @@ def test_overwrite_replaces_the_earlier_runs_files(tmp_path, capsys):
 
 
 def test_an_unnamed_run_never_takes_an_existing_folder(tmp_path, monkeypatch):
+    from tf_lars.cli import preflight
+
     monkeypatch.setattr(
         preflight, "run_dir", lambda config, command: str(tmp_path / "train-x")
     )
