@@ -22,6 +22,17 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
 
 
+# Settings that make a run that should have been refused (as the code
+# before these checks did not) end in seconds instead of minutes.
+CHEAP = {
+    "train": ["--set", "training.epochs=1", "--set", "schedule.name=none",
+              "--set", "model.width=2", "--set", "training.verbose=0"],
+    "sweep": ["--set", "training.epochs=1", "--set", "schedule.warmup_epochs=0",
+              "--set", "sweep.batch_sizes=[full]", "--set", "sweep.grid_factors=[1.0]",
+              "--set", "sweep.workers=1", "--set", "model.width=2"],
+}  # fmt: skip
+
+
 def _run(capsys, *argv):
     code = main(list(argv))
     captured = capsys.readouterr()
@@ -50,7 +61,7 @@ def test_an_existing_named_run_folder_is_refused(command, tmp_path, capsys):
     (earlier / "history.json").write_text("the earlier run")
     code, out, err = _run(
         capsys, command, "--set", f"output_dir={tmp_path / 'runs'}",
-        "--set", "run_name=mine",
+        "--set", "run_name=mine", *CHEAP[command],
     )  # fmt: skip
     line = _one_line_error(code, err, command)
     assert line == (
@@ -258,7 +269,9 @@ def test_an_output_dir_that_cannot_hold_a_run_folder(command, tmp_path, capsys):
         (regular / "runs", f"`output_dir` is under {regular}, which is a file, "
          "not a folder"),
     ):  # fmt: skip
-        code, _, err = _run(capsys, command, "--set", f"output_dir={output_dir}")
+        code, _, err = _run(
+            capsys, command, "--set", f"output_dir={output_dir}", *CHEAP[command]
+        )
         assert _one_line_error(code, err, command) == (
             f"tf-lars {command}: error: {expected}. Received: output_dir='{output_dir}'"
         )
@@ -279,7 +292,9 @@ def test_a_read_only_output_dir(command, tmp_path, capsys, monkeypatch):
             lambda path, mode: access(path, mode) and str(path) != str(read_only),
         )
     try:
-        code, _, err = _run(capsys, command, "--set", f"output_dir={read_only}/runs")
+        code, _, err = _run(
+            capsys, command, "--set", f"output_dir={read_only}/runs", *CHEAP[command]
+        )
     finally:
         read_only.chmod(0o755)
     assert _one_line_error(code, err, command) == (
