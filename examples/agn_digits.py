@@ -22,6 +22,9 @@ import socket
 import struct
 import sys
 
+import quiet_tensorflow  # noqa: F401 - first: no TensorFlow C++ start-up lines
+
+# isort: split
 from tf_lars.distribute import tf_config as tf_config_lib
 
 

@@ -9,14 +9,14 @@ adaptation. Prints the loss falling epoch by epoch and the final accuracy.
 """
 
 import argparse
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import quiet_tensorflow  # noqa: F401 - first: no TensorFlow C++ start-up lines
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+# isort: split
+import keras
+import numpy as np
 
-import tf_lars  # noqa: E402
+import tf_lars
 
 
 def make_data(samples, seed=0):

@@ -93,3 +93,15 @@ def test_bench_rejects_bad_repeats(capsys):
     else:
         raise AssertionError("expected a usage error")
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_paired_table_ratio_iqr_stays_within_the_ratios(capsys):
+    # Two steps each: ratios 1.0 and 1.2 (and 1.0 and 2.0). Inclusive
+    # quartiles interpolate inside [min, max]: 1.05-1.15 and 1.25-1.75; the
+    # extrapolating default gave 0.95-1.25 and 0.75-2.25.
+    rows = {"base": [1.0, 1.0], "near": [1.0, 1.2], "far": [1.0, 2.0]}
+    bench._print_paired_table("t", rows, (("base", ("near", "far")),))
+    lines = capsys.readouterr().out.splitlines()[3:]  # after "", title, header
+    assert lines[0].split() == ["base", "1000.00", "1.00x", "1.00-1.00"]
+    assert lines[1].split() == ["near", "1100.00", "1.10x", "1.05-1.15"]
+    assert lines[2].split() == ["far", "1500.00", "1.50x", "1.25-1.75"]

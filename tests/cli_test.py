@@ -279,7 +279,12 @@ def _bad_data_cases(tmp_path):
     )
     text = tmp_path / "text.npz"
     text.write_text("not an archive")
-    cases["not npz"] = (str(text), [], "cannot read as .npz")
+    cases["not npz"] = (
+        str(text),
+        [],
+        "not an .npz archive; the file must be what numpy.savez writes, with the "
+        "numeric arrays x_train, y_train, x_test, y_test",
+    )
     renamed = {("X_train" if k == "x_train" else k): v for k, v in good.items()}
     cases["wrong names"] = (
         _write_npz(tmp_path / "names.npz", **renamed),
@@ -970,10 +975,10 @@ def test_missing_cli_extra_is_a_clean_error(tmp_path):
 
 def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
     # --tf-log sets no level: TensorFlow's own default prints its INFO lines.
-    missing = tmp_path / "missing.npz"
+    # (An optimizer block is checked once TensorFlow is imported.)
     process = subprocess.run(
         [sys.executable, str(_console_script(tmp_path)), "--tf-log", "train",
-         "--set", f"data.path={missing}"],
+         "--set", "optimizer.class_name=Foo"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -983,4 +988,7 @@ def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
     assert process.returncode == 2
     assert TF_LOG_LINE.search(process.stderr) is not None, process.stderr
     ours = [line for line in process.stderr.splitlines() if "tf-lars" in line]
-    assert ours == [f"tf-lars train: error: data.path={missing}: file not found"]
+    assert ours == [
+        "tf-lars train: error: `optimizer.class_name` must name a Keras optimizer "
+        "(e.g. LARS, SGD, Adam). Received: optimizer.class_name='Foo'"
+    ]

@@ -57,3 +57,32 @@ def test_agn_digits_example_checks_its_arguments_first():
     assert result.returncode == 2, result.stdout + result.stderr
     assert "--period must be >= 1" in result.stderr
     assert "[agn]" not in result.stdout
+
+
+TF_START_UP_LINE = re.compile(
+    r"^[IWEF]\d{4} |absl::InitializeLog|cpu_feature_guard|oneDNN|cudart|cuInit", re.M
+)
+
+
+def test_examples_print_no_tensorflow_start_up_lines():
+    # As run by a user: no TF_CPP_MIN_LOG_LEVEL in the environment.
+    env = _env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL")
+    env.pop("TF_CONFIG", None)
+    train = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_lars.py"),
+         "--epochs", "3", "--samples", "512", "--batch-size", "128"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert train.returncode == 0, train.stderr
+    assert "test accuracy" in train.stdout
+    agn = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "agn_digits.py"), "--period", "0"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert agn.returncode == 2
+    for result in (train, agn):
+        assert TF_START_UP_LINE.search(result.stderr) is None, result.stderr
+    assert agn.stderr == (
+        "error: --period must be >= 1 and --steps-per-worker >= --period\n"
+    )

@@ -77,8 +77,12 @@ def _started_as_command():
     # (`python -m tf_lars.distribute.launch`) show in `sys.orig_argv`. Anything else
     # (a user's program, pytest) loads eagerly; a renamed script only loses
     # the fast `--help`, never correctness.
-    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    if argv0 in ("tf-lars", "tf-lars.exe"):
+    path = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if os.path.basename(path) in ("tf-lars", "tf-lars.exe"):
+        return True
+    # `python -m tf_lars.cli[.module]` sets argv[0] to the module's file, and
+    # the sweep's spawned worker processes get only that argv[0].
+    if os.path.normpath(path).split(os.sep)[-3:-1] == ["tf_lars", "cli"]:
         return True
     original = list(getattr(sys, "orig_argv", []))
     if "-m" in original:

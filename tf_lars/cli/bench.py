@@ -261,8 +261,12 @@ def _print_paired_table(title, rows, groups):
             ratios = sorted(
                 c / b for b, c in zip(rows[baseline], rows[name], strict=True)
             )
+            # Inclusive quartiles stay within the data; the default
+            # ("exclusive") extrapolates beyond it for few samples.
             quartiles = (
-                statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                statistics.quantiles(ratios, n=4, method="inclusive")
+                if len(ratios) > 1
+                else ratios * 3
             )
             print(
                 f"{name:{width}}{statistics.median(rows[name]) * 1e3:>18.2f}"
@@ -492,16 +496,8 @@ def _print_fit_table(title, rows, batch):
             )
 
 
-def main(argv=None):
-    """Runs the benchmarks and prints their tables.
-
-    Args:
-        argv: list of str, the arguments (see `--help`). Defaults to
-            `sys.argv[1:]`.
-
-    Returns:
-        The exit status, 0. A bad argument exits with status 2 (argparse).
-    """
+def parse_arguments(argv=None):
+    """The parsed `tf-lars bench` arguments; a bad one exits with status 2."""
     parser = argparse.ArgumentParser(
         prog="tf-lars bench", description="tf_lars optimizer step benchmarks."
     )
@@ -561,6 +557,20 @@ def main(argv=None):
             f"Received: --fit-steps {args.fit_steps} --fit-rounds "
             f"{args.fit_rounds} --fit-batch {args.fit_batch}"
         )
+    return args
+
+
+def main(argv=None):
+    """Runs the benchmarks and prints their tables.
+
+    Args:
+        argv: list of str, the arguments (see `--help`). Defaults to
+            `sys.argv[1:]`.
+
+    Returns:
+        The exit status, 0. A bad argument exits with status 2 (argparse).
+    """
+    args = parse_arguments(argv)
     parts = args.only or ["dense", "adaptive", "no-xla", "eager", "sparse"]
 
     from tf_lars.cli import import_tensorflow, set_tensorflow_log_level

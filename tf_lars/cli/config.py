@@ -52,7 +52,53 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """A config value the CLI refuses; the message is one line for the user."""
+    """A config value the CLI refuses; the message is one line for the user.
+
+    `key`, when known, is the dotted key (or tuple of its parts) of the
+    refused value: `located_message` uses it to name the `--config` file
+    the value came from.
+    """
+
+    def __init__(self, message, key=None):
+        super().__init__(message)
+        self.key = tuple(key.split(".")) if isinstance(key, str) else key
+
+
+def _sets(node, parts):
+    """Whether a parsed YAML tree sets the key `parts` or a value above it."""
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and str(part).isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return not isinstance(node, dict | list)
+    return True
+
+
+def located_message(error, path=None, overrides=()):
+    """`error`'s message, prefixed with `--config FILE: ` when it came from there.
+
+    A value set by `--set` (applied last) keeps the message as it is; one
+    set in the `--config` file (and not by `--set`) is named by the file.
+    """
+    message = " ".join(str(error).split())
+    parts = tuple(str(part) for part in (getattr(error, "key", None) or ()))
+    if path is None or not parts:
+        return message
+    for override in overrides:
+        override_parts = tuple(override.partition("=")[0].strip().split("."))
+        common = min(len(parts), len(override_parts))
+        if parts[:common] == override_parts[:common]:
+            return message
+    try:
+        with open(path, encoding="utf-8") as handle:
+            user = yaml.load(handle.read(), Loader=_Loader)  # noqa: S506 - safe
+    except (OSError, ValueError, yaml.YAMLError):
+        return message
+    if isinstance(user, dict) and parts[0] in user and _sets(user, parts):
+        return f"--config {path}: {message}"
+    return message
 
 
 # PyYAML follows YAML 1.1, where `1e-4` is a string; every user types it
@@ -450,7 +496,7 @@ def validate_config(command, config):
         return schema.model_validate(config).model_dump()
     except ValidationError as error:
         first = min(error.errors(), key=lambda e: _order(schema, e))
-        raise ConfigError(_message(schema, first)) from None
+        raise ConfigError(_message(schema, first), key=tuple(first["loc"])) from None
 
 
 # ---------------------------------------------------------------- optimizers
@@ -491,7 +537,8 @@ def resolve_optimizer_class(block, key="optimizer"):
             return cls
     raise ConfigError(
         f"`{key}.class_name` must name a Keras optimizer (e.g. LARS, SGD, Adam). "
-        f"{_show(key + '.class_name', block.get('class_name'))}"
+        f"{_show(key + '.class_name', block.get('class_name'))}",
+        key=f"{key}.class_name",
     )
 
 
@@ -528,7 +575,8 @@ def _check_optimizer_arguments(cls, config, key):
         if name not in parameters:
             raise ConfigError(
                 f"Unknown config key `{full}`: not an argument of {cls.__name__}. "
-                f"Valid keys: {', '.join(sorted(parameters))}"
+                f"Valid keys: {', '.join(sorted(parameters))}",
+                key=full,
             )
         default = parameters[name]
         if name == "learning_rate":
@@ -537,19 +585,24 @@ def _check_optimizer_arguments(cls, config, key):
             ):
                 raise ConfigError(
                     f"`{full}` must be a finite number or a serialized "
-                    f"learning-rate schedule. {_show(full, value)}"
+                    f"learning-rate schedule. {_show(full, value)}",
+                    key=full,
                 )
         elif isinstance(default, bool):
             if not isinstance(value, bool):
                 raise ConfigError(
-                    f"`{full}` must be true or false. {_show(full, value)}"
+                    f"`{full}` must be true or false. {_show(full, value)}", key=full
                 )
         elif is_real(default):
             if not is_real(value):
-                raise ConfigError(f"`{full}` must be a number. {_show(full, value)}")
+                raise ConfigError(
+                    f"`{full}` must be a number. {_show(full, value)}", key=full
+                )
         elif isinstance(default, str):
             if not isinstance(value, str):
-                raise ConfigError(f"`{full}` must be a string. {_show(full, value)}")
+                raise ConfigError(
+                    f"`{full}` must be a string. {_show(full, value)}", key=full
+                )
 
 
 def learning_rate_schedule(serialized, key="optimizer.config.learning_rate"):
@@ -619,7 +672,9 @@ def optimizer_from_block(block, learning_rate=None, key="optimizer"):
     try:
         return cls(**config)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"`{key}.config`: {_one_line(error)}") from None
+        raise ConfigError(
+            f"`{key}.config`: {_one_line(error)}", key=f"{key}.config"
+        ) from None
 
 
 # ---------------------------------------------------------- merge and --set
@@ -727,6 +782,11 @@ def load_config(command, path=None, overrides=()):
         except OSError as error:
             raise ConfigError(
                 f"--config {path}: cannot read: {error.strerror or error}"
+            ) from None
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"--config {path}: not a text file (byte {error.start} is not "
+                "UTF-8); give a YAML file of config keys"
             ) from None
         user = parse_yaml(text, f"--config {path}")
         if user is None:

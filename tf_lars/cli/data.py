@@ -74,6 +74,11 @@ def _load_npz(data_config):
     where = f"data.path={path}"
     if not os.path.isfile(path):
         raise DataError(f"{where}: file not found")
+    if not zipfile.is_zipfile(path):
+        raise DataError(
+            f"{where}: not an .npz archive; the file must be what "
+            f"numpy.savez writes, with the numeric arrays {', '.join(REQUIRED_ARRAYS)}"
+        )
     try:
         with np.load(path, allow_pickle=False) as archive:
             names = sorted(archive.files)
@@ -87,9 +92,18 @@ def _load_npz(data_config):
             arrays = {name: archive[name] for name in REQUIRED_ARRAYS}
     except DataError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
-        detail = " ".join(str(error).split())
-        raise DataError(f"{where}: cannot read as .npz ({detail})") from None
+    except ValueError as error:
+        if "allow_pickle" not in str(error):
+            detail = _one_line(error)
+            raise DataError(f"{where}: cannot read as .npz ({detail})") from None
+        # NumPy would suggest `allow_pickle=True`, which runs code stored in
+        # the file; the arrays must be numeric instead.
+        raise DataError(
+            f"{where}: holds object (pickled) arrays, which are not loaded: "
+            f"{', '.join(REQUIRED_ARRAYS)} must be numeric arrays"
+        ) from None
+    except (OSError, zipfile.BadZipFile, EOFError) as error:
+        raise DataError(f"{where}: cannot read as .npz ({_one_line(error)})") from None
     return _finish(
         arrays["x_train"],
         arrays["y_train"],
@@ -99,6 +113,10 @@ def _load_npz(data_config):
         source=path,
         where=where,
     )
+
+
+def _one_line(error):
+    return " ".join(str(error).split())
 
 
 def _labels(name, y, where):

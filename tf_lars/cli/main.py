@@ -7,13 +7,17 @@ tf-lars [--tf-log] bench [bench arguments ...]
 ```
 
 `train` runs one training from a YAML config (the default trains a small
-CNN with LARS on scikit-learn's digits in about 15 seconds on 2 CPU cores)
-and writes a run folder. `sweep` trains SGD-with-momentum and LARS across
-batch sizes and learning rates and prints a table of test accuracy. `bench`
-runs `tf_lars.cli.bench`, the optimizer step benchmarks.
+CNN with LARS on scikit-learn's digits) and writes a run folder. `sweep`
+trains each optimizer of its config (by default SGD-momentum, LARS,
+Nesterov, AdamW and LAMB) across batch sizes and learning rates and prints a
+table of test accuracy. `bench` runs `tf_lars.cli.bench`, the optimizer step
+benchmarks.
 
-Configuration or data problems (and, for a multi-worker `train`, a bad
-`TF_CONFIG`) print one line to stderr and exit with status 2. See the
+Configuration, data or output-folder problems (and, for a multi-worker
+`train`, a bad `TF_CONFIG`) print one line to stderr and exit with status 2;
+those that need no TensorFlow are found before it is imported. A run folder
+that exists is refused unless `--overwrite` is given. Ctrl-C prints one line
+and exits with status 130, the run folder keeping what finished. See the
 README (section "The `tf-lars` command line") for every config key.
 
 `train` runs distributed with the `distribute` config block; two workers on
@@ -33,6 +37,7 @@ import importlib
 import sys
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 # Top-level modules of the `cli` extra (pyproject.toml).
 _CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn")
 
@@ -60,8 +65,9 @@ def _parser():
         ),
         (
             "sweep",
-            "train SGD-with-momentum and LARS across batch sizes and learning "
-            "rates; print a table and save a plot",
+            "train each optimizer of the config (by default SGD-momentum, LARS, "
+            "Nesterov, AdamW and LAMB) across batch sizes and learning rates; "
+            "print a table and save a plot",
         ),
     ):
         command = commands.add_parser(name, help=help_text, description=help_text)
@@ -76,8 +82,14 @@ def _parser():
             metavar="KEY=VALUE",
             action="append",
             default=[],
-            help="override one config key, e.g. --set training.epochs=5 "
+            help="override one config key, e.g. --set training.epochs=20 "
             "(value parsed as YAML; repeatable)",
+        )
+        command.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="reuse the run folder of an earlier run with the same run_name "
+            "(its files are replaced); without it such a run is refused",
         )
         command.add_argument(
             _TF_LOG, action="store_true", default=argparse.SUPPRESS, help=_TF_LOG_HELP
@@ -122,13 +134,14 @@ def main(argv=None):
             `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0 on success, 2 for a bad command line, config or
-        data (with a one-line message on stderr).
+        The exit status: 0 on success, 2 for a bad command line, config,
+        data or output folder (with a one-line message on stderr), 130 after
+        a Ctrl-C.
 
     Example:
 
     >>> from tf_lars.cli.main import main
-    >>> main(["train", "--set", "training.epochs=2"])  # doctest: +SKIP
+    >>> main(["train", "--set", "training.epochs=20"])  # doctest: +SKIP
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -143,12 +156,20 @@ def main(argv=None):
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
 
-    from tf_lars.cli import import_tensorflow, set_tensorflow_log_level
+    from tf_lars.cli import set_tensorflow_log_level
 
     set_tensorflow_log_level(arguments.tf_log)
-    import_tensorflow()
     try:
         return _run(arguments)
+    except KeyboardInterrupt as interrupt:
+        kept = str(interrupt)
+        print(
+            f"tf-lars {arguments.command}: interrupted (Ctrl-C)"
+            + (f"; {kept}" if kept else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
     except ModuleNotFoundError as error:
         if (error.name or "").partition(".")[0] not in _CLI_EXTRA:
             raise
@@ -160,19 +181,30 @@ def main(argv=None):
 
 
 def _run(arguments):
-    from tf_lars.cli.config import ConfigError, load_config
+    from tf_lars.cli.config import ConfigError, load_config, located_message
     from tf_lars.cli.data import DataError
     from tf_lars.distribute.tf_config import TFConfigError
 
     try:
         config = load_config(arguments.command, arguments.config, arguments.overrides)
+        # Everything that needs no TensorFlow is checked before it is imported
+        # (seconds), so a mistake is reported at once.
+        from tf_lars.cli.preflight import preflight
+
+        data, folder = preflight(arguments.command, config, arguments.overwrite)
+        from tf_lars.cli import import_tensorflow
+
+        import_tensorflow()
         _quiet_python_logs()
         command = importlib.import_module(f"tf_lars.cli.{arguments.command}")
-        return command.run(config)
+        return command.run(config, data, folder, arguments.overwrite)
     except (ConfigError, DataError, TFConfigError) as error:
         # A bad TF_CONFIG (distribute.strategy=multi_worker) is a usage error
         # too: one line and status 2, as `tf_lars.distribute.run_main` ends it.
-        return _error(arguments.command, " ".join(str(error).split()))
+        return _error(
+            arguments.command,
+            located_message(error, arguments.config, arguments.overrides),
+        )
 
 
 if __name__ == "__main__":

@@ -12,16 +12,21 @@ processes (spawned, so each has its own TensorFlow runtime, pinned to
 (`tf_lars.cli.import_tensorflow`).
 """
 
-import concurrent.futures
 import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
 from tf_lars.cli.config import ConfigError, dump_config
-from tf_lars.cli.config import run_dir as _run_dir
+from tf_lars.cli.preflight import (
+    INTERRUPTED_NOTE,
+    Interrupted,
+    open_run_dir,
+    write_text,
+)
 
 _WORKER_DATA = {}
 
@@ -153,8 +158,12 @@ def _describe(task):
     )
 
 
-def execute(config, tasks, workers, out=print):
-    """Runs every task, in `workers` processes; prints a line per result."""
+def execute(config, tasks, workers, out=print, results=None):
+    """Runs every task, in `workers` processes; prints a line per result.
+
+    `results`, a list of `len(tasks)` Nones when given, is filled in place as
+    the trainings finish, so a caller keeps the finished ones on Ctrl-C.
+    """
     cores = available_cores()
     threads = max(1, cores // workers)
     total = len(tasks)
@@ -163,7 +172,7 @@ def execute(config, tasks, workers, out=print):
         f"{threads} thread(s) ({cores} core(s) available)."
     )
     started = time.perf_counter()
-    results = [None] * total
+    results = [None] * total if results is None else results
 
     def report(done, index, result):
         elapsed = time.perf_counter() - started
@@ -181,6 +190,7 @@ def execute(config, tasks, workers, out=print):
             f"{result['seconds']:5.1f}s  elapsed {elapsed:5.0f}s  "
             f"eta {remaining:4.0f}s {status}".rstrip()
         )
+        sys.stdout.flush()  # progress, live through a pipe too
         results[index] = result
 
     # Most expensive first (smallest batches take the most steps), so the
@@ -191,16 +201,30 @@ def execute(config, tasks, workers, out=print):
             report(done, index, run_task(config, tasks[index]))
         return results
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=context,
-        initializer=_init_worker,
-        initargs=(threads,),
-    ) as pool:
-        futures = {pool.submit(run_task, config, tasks[i]): i for i in order}
-        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            report(done, futures[future], future.result())
+    # The workers ignore SIGINT (a Ctrl-C reaches the terminal's whole process
+    # group): this process handles it and stops them. An ignored signal stays
+    # ignored in a spawned child, so the handler is swapped while they start.
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = context.Pool(workers, initializer=_init_worker, initargs=(threads,))
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    try:
+        arguments = [(config, index, tasks[index]) for index in order]
+        finished = pool.imap_unordered(_star_run_indexed, arguments)
+        for done, (index, result) in enumerate(finished, start=1):
+            report(done, index, result)
+        pool.close()
+    finally:
+        # On Ctrl-C or an error, the running trainings are stopped at once.
+        pool.terminate()
+        pool.join()
     return results
+
+
+def _star_run_indexed(arguments):
+    config, index, task = arguments
+    return index, run_task(config, task)
 
 
 def summarize(batch_sizes, labels, results):
@@ -208,6 +232,8 @@ def summarize(batch_sizes, labels, results):
 
     "best" is the grid point with the highest test accuracy (ties go to the
     factor closest to 1, then the smaller learning rate; diverged runs last).
+    Of an interrupted sweep, `results` holds the finished runs only; a
+    choice with no finished run is None.
     """
     summary = {label: {} for label in labels}
     for label in labels:
@@ -217,7 +243,10 @@ def summarize(batch_sizes, labels, results):
                 for r in results
                 if r["label"] == label and r["batch_size"] == batch_size
             ]
-            linear = next(r for r in runs if r["factor"] == 1.0)
+            if not runs:  # an interrupted sweep: not trained
+                summary[label][batch_size] = {"linear": None, "best": None}
+                continue
+            linear = next((r for r in runs if r["factor"] == 1.0), None)
             best = max(
                 runs,
                 key=lambda r: (
@@ -247,6 +276,8 @@ def _score(result):
 
 
 def _cell(result):
+    if result is None:
+        return "not run"
     if result["diverged"]:
         accuracy = "diverged"
     else:
@@ -263,8 +294,14 @@ def format_table(batch_sizes, labels, summary, epochs):
         header += [f"{label} linear LR", f"{label} best of grid"]
     rows = []
     for batch_size in batch_sizes:
-        first = summary[labels[0]][batch_size]["linear"]
-        row = [str(batch_size), str(first["steps_per_epoch"] * epochs)]
+        trained = [
+            cell[choice]
+            for cell in (summary[label][batch_size] for label in labels)
+            for choice in ("linear", "best")
+            if cell[choice] is not None
+        ]
+        steps = str(trained[0]["steps_per_epoch"] * epochs) if trained else "-"
+        row = [str(batch_size), steps]
         for label in labels:
             cell = summary[label][batch_size]
             best = _cell(cell["best"]) + (" EDGE" if cell.get("edge") else "")
@@ -283,54 +320,97 @@ def format_table(batch_sizes, labels, summary, epochs):
     return "\n".join([line(header), separator, *(line(r) for r in rows)])
 
 
-def run(config):
+def run(config, data=None, folder=None, overwrite=False):
     """`tf-lars sweep`: the whole sweep, into its run folder.
 
     Args:
         config: a validated sweep config (`tf_lars.cli.config.load_config`).
+        data: the `Dataset` and `folder` the run folder from
+            `tf_lars.cli.preflight.preflight`; both found here when None.
+        overwrite: bool, `--overwrite`: an existing run folder may be reused.
 
     Returns:
         The exit status, 0.
 
     Raises:
         ConfigError, DataError: before any file is written or process started.
+        tf_lars.cli.preflight.Interrupted: on Ctrl-C, after writing the
+            finished trainings and their table.
     """
-    run_sweep(config, _run_dir(config, "sweep"))
+    from tf_lars.cli.preflight import preflight
+
+    if data is None:
+        data, folder = preflight("sweep", config, overwrite)
+    run_sweep(config, folder, data=data)
     return 0
 
 
-def run_sweep(config, run_dir, out=print):
+def _write_results(run_dir, config, plan_, workers, results, wall):
+    """results.json and table.md of the finished runs; returns the table."""
+    batch_sizes, factors, labels = plan_
+    finished = [result for result in results if result is not None]
+    summary = summarize(batch_sizes, labels, finished)
+    table = format_table(batch_sizes, labels, summary, config["training"]["epochs"])
+    record = {
+        "batch_sizes": batch_sizes,
+        "factors": factors,
+        "labels": labels,
+        "workers": workers,
+        "wall_seconds": wall,
+        "runs": finished,
+    }
+    if len(finished) < len(results):
+        record["interrupted"] = True
+        record["runs_planned"] = len(results)
+    write_text(run_dir, "results.json", json.dumps(record, indent=1))
+    write_text(run_dir, "table.md", table + "\n")
+    return summary, table
+
+
+def _interrupted(run_dir, config, plan_, workers, results, wall):
+    """Writes what finished and a note; the exception `main` reports."""
+    summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
+    done = sum(result is not None for result in results)
+    write_text(
+        run_dir,
+        INTERRUPTED_NOTE,
+        f"Interrupted (Ctrl-C) after {done} of {len(results)} trainings. "
+        "results.json and table.md hold the finished ones; sweep.png was not "
+        "drawn.\n",
+    )
+    return Interrupted(
+        f"the run folder {run_dir} keeps config.yaml, results.json and table.md "
+        f"of the {done} of {len(results)} trainings that finished, and "
+        f"{INTERRUPTED_NOTE}"
+    )
+
+
+def run_sweep(config, run_dir, out=print, data=None):
     """The whole sweep; writes results.json, table.md, sweep.png, config.yaml.
 
     Args:
         config: a validated sweep config.
         run_dir: str, the folder to write.
         out: callable printing one line.
+        data: the loaded `Dataset`, or None to load it here.
 
     Returns:
         A dict: summary, results (one dict per run), table (Markdown), wall
         (seconds).
     """
+    from tf_lars.cli.config import optimizer_from_block
     from tf_lars.cli.data import load_data
     from tf_lars.cli.plots import plot_sweep
+    from tf_lars.cli.preflight import check_sweep
 
-    data = load_data(config["data"])
+    if data is None:
+        data = load_data(config["data"])
+    check_sweep(config, data)
     batch_sizes, factors, tasks = plan(config, len(data.x_train))
-    labels = []
-    for entry in config["optimizers"]:
-        if entry["label"] in labels:
-            raise ConfigError(
-                "`optimizers.*.label` must be unique. "
-                f"Received: label={entry['label']!r} twice"
-            )
-        labels.append(entry["label"])
-    # Fail on a bad model or optimizer config before starting any process:
-    # each optimizer block is deserialized once here (its only check; the
-    # workers build one optimizer per grid point from the same block).
-    from tf_lars.cli.config import optimizer_from_block
-    from tf_lars.cli.train import check_model_input
-
-    check_model_input(config["model"], data.x_train.shape[1:])
+    labels = [entry["label"] for entry in config["optimizers"]]
+    # Fail on a bad optimizer config before starting any process: each
+    # optimizer block is deserialized once here (its only check; the workers
+    # build one optimizer per grid point from the same block).
     for index, entry in enumerate(config["optimizers"]):
         optimizer_from_block(
             entry["optimizer"],
@@ -348,51 +428,19 @@ def run_sweep(config, run_dir, out=print):
         f"learning-rate factors {factors} around the linear rule "
         f"(base batch {config['sweep']['base_batch_size']}); {epochs} epochs each."
     )
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as handle:
-        handle.write(dump_config(config))
+    open_run_dir(run_dir, "sweep")
+    write_text(run_dir, "config.yaml", dump_config(config))
     started = time.perf_counter()
-    results = execute(config, tasks, workers, out=out)
+    results = [None] * len(tasks)
+    plan_ = (batch_sizes, factors, labels)
+    try:
+        execute(config, tasks, workers, out=out, results=results)
+    except KeyboardInterrupt:
+        wall = time.perf_counter() - started
+        raise _interrupted(run_dir, config, plan_, workers, results, wall) from None
     wall = time.perf_counter() - started
-    summary = summarize(batch_sizes, labels, results)
-    table = format_table(batch_sizes, labels, summary, epochs)
-    with open(os.path.join(run_dir, "results.json"), "w", encoding="utf-8") as handle:
-        json.dump(
-            {
-                "batch_sizes": batch_sizes,
-                "factors": factors,
-                "labels": labels,
-                "workers": workers,
-                "wall_seconds": wall,
-                "runs": results,
-            },
-            handle,
-            indent=1,
-        )
-    with open(os.path.join(run_dir, "table.md"), "w", encoding="utf-8") as handle:
-        handle.write(table + "\n")
-    series = []
-    for label in labels:
-        for choice, style in (("linear", "--"), ("best", "-")):
-            picked = [summary[label][b][choice] for b in batch_sizes]
-            series.append(
-                (
-                    f"{label}, {'linear LR' if choice == 'linear' else 'best of grid'}",
-                    [r["test_accuracy"] for r in picked],
-                    [r["diverged"] or r.get("collapsed", False) for r in picked],
-                    style,
-                )
-            )
-    plot_sweep(
-        batch_sizes,
-        series,
-        os.path.join(run_dir, "sweep.png"),
-        title=(
-            f"Test accuracy after {epochs} epochs, warm-up "
-            f"{config['schedule']['warmup_epochs']:g} epochs + poly decay "
-            f"(power {config['schedule']['power']:g}); {data.source}"
-        ),
-    )
+    summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
+    _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep)
     out("")
     out(f"Test accuracy (%) after {epochs} epochs; (lr) = peak learning rate used:")
     out(table)
@@ -409,3 +457,29 @@ def run_sweep(config, run_dir, out=print):
     )
     sys.stdout.flush()
     return {"summary": summary, "results": results, "table": table, "wall": wall}
+
+
+def _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep):
+    series = []
+    for label in labels:
+        for choice, style in (("linear", "--"), ("best", "-")):
+            picked = [summary[label][b][choice] for b in batch_sizes]
+            series.append(
+                (
+                    f"{label}, {'linear LR' if choice == 'linear' else 'best of grid'}",
+                    [r["test_accuracy"] for r in picked],
+                    [r["diverged"] or r.get("collapsed", False) for r in picked],
+                    style,
+                )
+            )
+    epochs = config["training"]["epochs"]
+    plot_sweep(
+        batch_sizes,
+        series,
+        os.path.join(run_dir, "sweep.png"),
+        title=(
+            f"Test accuracy after {epochs} epochs, warm-up "
+            f"{config['schedule']['warmup_epochs']:g} epochs + poly decay "
+            f"(power {config['schedule']['power']:g}); {data.source}"
+        ),
+    )

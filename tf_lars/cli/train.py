@@ -32,22 +32,18 @@ from tf_lars.cli.config import (
     learning_rate_schedule,
     optimizer_from_block,
     resolve_optimizer_class,
-    run_dir,
 )
-from tf_lars.cli.data import load_data
+from tf_lars.cli.preflight import (
+    INTERRUPTED_NOTE,
+    check_distribute,
+    check_model_input,
+    check_warmup,
+    choose_run_dir,
+    open_run_dir,
+    resolve_batch_size,
+    write_text,
+)
 from tf_lars.schedules import WarmupPolynomialDecay, linear_scaled_learning_rate
-
-
-def resolve_batch_size(batch_size, num_train, key):
-    """An int batch size; `"full"` is the whole training set."""
-    if batch_size == "full":
-        return num_train
-    if batch_size > num_train:
-        raise ConfigError(
-            f"`{key}` must be at most the training set size ({num_train}) or "
-            f"'full'. Received: {key}={batch_size!r}"
-        )
-    return batch_size
 
 
 def global_batch_size(batch_size, num_train, replicas, key="training.batch_size"):
@@ -115,31 +111,6 @@ Distribution.__doc__ = """The strategy of a run and this process's place in it.
 `multi_worker`); `chief` says whether this process writes the run folder;
 `task` is this process's task (e.g. "worker 1") in a cluster, else None.
 """
-
-
-def check_distribute(distribute_config, environ=None):
-    """Refuses `distribute` settings that do not go together.
-
-    Raises:
-        ConfigError: `logical_cpus` without the mirrored strategy, or a
-            `TF_CONFIG` (a cluster task) without the multi_worker strategy,
-            where every task would train alone and write the same run folder.
-    """
-    strategy = distribute_config["strategy"]
-    logical_cpus = distribute_config["logical_cpus"]
-    if logical_cpus is not None and strategy != "mirrored":
-        raise ConfigError(
-            "`distribute.logical_cpus` applies to `distribute.strategy`=mirrored "
-            f"only. Received: distribute.logical_cpus={logical_cpus!r} with "
-            f"distribute.strategy={strategy!r}"
-        )
-    environ = os.environ if environ is None else environ
-    if strategy != "multi_worker" and environ.get("TF_CONFIG"):
-        raise ConfigError(
-            "TF_CONFIG is set (this process is a task of a cluster), so "
-            "`distribute.strategy` must be multi_worker (or unset TF_CONFIG). "
-            f"Received: distribute.strategy={strategy!r}"
-        )
 
 
 def split_cpu(count):
@@ -253,18 +224,6 @@ def build_model(model_config, input_shape, num_classes):
     return keras.Model(inputs, outputs, name=model_config["name"])
 
 
-def check_model_input(model_config, input_shape):
-    """Refuses a CNN for examples that are not images (no Keras needed)."""
-    if model_config["name"] == "cnn" and (
-        len(input_shape) not in (2, 3) or min(input_shape[:2]) < 2
-    ):
-        raise ConfigError(
-            "`model.name`=cnn needs image examples of shape (H, W) or "
-            f"(H, W, C) with H, W >= 2; the data has examples of shape "
-            f"{tuple(input_shape)}. Use --set model.name=mlp"
-        )
-
-
 def _shard_by_data(dataset):
     # Under a strategy each replica takes its slice of every global batch
     # (files cannot be sharded: the data is in memory).
@@ -367,15 +326,8 @@ def _evaluation_data(x, y, strategy):
 
 def build_schedule(schedule_config, peak_learning_rate, steps_per_epoch, epochs):
     """`WarmupPolynomialDecay` over the whole run, and its step counts."""
-    total_steps = steps_per_epoch * epochs
-    warmup_steps = int(round(schedule_config["warmup_epochs"] * steps_per_epoch))
-    decay_steps = total_steps - warmup_steps
-    if decay_steps < 1:
-        raise ConfigError(
-            "`schedule.warmup_epochs` must be less than the number of epochs "
-            f"({epochs}). Received: schedule.warmup_epochs="
-            f"{schedule_config['warmup_epochs']!r}"
-        )
+    warmup_steps = check_warmup(schedule_config, steps_per_epoch, epochs)
+    decay_steps = steps_per_epoch * epochs - warmup_steps
     try:
         schedule = WarmupPolynomialDecay(
             peak_learning_rate=peak_learning_rate,
@@ -682,26 +634,87 @@ def _json_number(value):
     return value
 
 
-def run(config):
+class _HistoryWriter(keras.callbacks.Callback):
+    """Rewrites `history.json` at every epoch end, so Ctrl-C keeps it."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+        self.history = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(_json_number(float(value)))
+        epochs = len(next(iter(self.history.values()), []))
+        write_text(
+            self.folder,
+            "history.json",
+            json.dumps({"epoch": list(range(1, epochs + 1)), **self.history}, indent=1),
+        )
+
+
+def _resolved_config(config, optimizer):
+    """The config with the optimizer block filled from its `get_config()`."""
+    resolved = dict(config)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner_config = inner.get_config()
+    block_learning_rate = config["optimizer"]["config"].get("learning_rate")
+    if block_learning_rate is None:
+        inner_config.pop("learning_rate", None)
+    else:
+        inner_config["learning_rate"] = block_learning_rate
+    resolved["optimizer"] = {
+        "class_name": config["optimizer"]["class_name"],
+        "config": inner_config,
+    }
+    return resolved
+
+
+def _interrupted(folder, epochs_done, epochs):
+    """Leaves a note in the run folder; the exception `main` reports."""
+    from tf_lars.cli.preflight import Interrupted
+
+    if folder is None:
+        return Interrupted("")
+    note = (
+        f"Interrupted (Ctrl-C) after {epochs_done} of {epochs} epochs. "
+        "config.yaml and history.json hold what finished; the model, summary "
+        "and plots were not written.\n"
+    )
+    with contextlib.suppress(OSError):
+        write_text(folder, INTERRUPTED_NOTE, note)
+    kept = ", ".join(sorted(os.listdir(folder)))
+    return Interrupted(
+        f"the run folder {folder} keeps {kept} ({epochs_done} of {epochs} epochs)"
+    )
+
+
+def run(config, data=None, folder=None, overwrite=False):
     """`tf-lars train`: one training run, written to the run folder.
 
     Under a strategy every process trains (the same steps, in lockstep) and
     only the chief writes the run folder and prints the progress; another
-    worker prints two lines and writes nothing there.
+    worker prints two lines and writes nothing there. The resolved config is
+    written before training and `history.json` after every epoch, so a
+    Ctrl-C keeps both (and an `INTERRUPTED` note).
 
     Args:
         config: a validated train config (`tf_lars.cli.config.load_config`).
+        data: the `Dataset` and `folder` the run folder from
+            `tf_lars.cli.preflight.preflight`; both found here when None.
+        overwrite: bool, `--overwrite`: an existing run folder may be reused.
 
     Returns:
         The exit status, 0 (a diverged run included).
 
     Raises:
         ConfigError, DataError, TFConfigError: before any file is written.
+        tf_lars.cli.preflight.Interrupted: on Ctrl-C.
     """
-    from tf_lars.cli.plots import plot_curves, plot_learning_rate, plot_trust_ratios
+    from tf_lars.cli.preflight import preflight
 
-    check_distribute(config["distribute"])
-    data = load_data(config["data"])
+    if data is None:
+        data, folder = preflight("train", config, overwrite)
     distribution = make_distribution(config["distribute"])
     training = config["training"]
     num_train = len(data.x_train)
@@ -729,9 +742,16 @@ def run(config):
         strategy=distribution.strategy,
     )
     chief = distribution.chief
-    folder = run_dir(config, "train") if chief else None
     if chief:
-        os.makedirs(folder, exist_ok=True)
+        if folder is None:
+            folder = choose_run_dir(config, "train", overwrite)
+        open_run_dir(folder, "train")
+        # The resolved config first, so an interrupted run still has it.
+        write_text(
+            folder,
+            "config.yaml",
+            dump_config(_resolved_config(config, trial["optimizer"])),
+        )
         print(
             f"Data: {num_train} training / {len(data.x_test)} test examples, "
             f"{data.num_classes} classes ({data.source})"
@@ -741,66 +761,80 @@ def run(config):
         print(
             describe_batches(batch_size, global_batch, distribution.replicas, num_train)
         )
-        print(f"Run folder: {folder}")
+        print(f"Run folder: {folder}", flush=True)
     else:
+        folder = None
         # The other workers train in lockstep with the chief and write no
         # file: Keras needs none to train, and TensorBoard is the chief's.
         print(
             f"{distribution.task}: {_describe_distribution(distribution)}; the "
             "chief writes the run folder and the progress"
         )
-
-    callbacks = []
-    monitor = None
-    # Only optimizers that expose trust ratios (LARS) get the monitor.
-    inner = getattr(trial["optimizer"], "inner_optimizer", trial["optimizer"])
-    if "trust_coefficient" in constructor_parameters(type(inner)):
-        monitor = TrustRatioMonitor(
-            log_every_n_batches=config["monitor"]["log_every_n_batches"],
-            log_dir=(
-                os.path.join(folder, "tensorboard")
-                if config["monitor"]["tensorboard"] and chief
-                else None
-            ),
+    monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
+    writer = _HistoryWriter(folder) if chief else None
+    try:
+        result = fit_once(
+            data,
+            trial,
+            batch_size=global_batch,
+            epochs=training["epochs"],
+            jit_compile=training["jit_compile"],
+            callbacks=[c for c in (monitor, writer) if c is not None],
+            verbose=training["verbose"] if chief else 0,
+            validation=True,
+            strategy=distribution.strategy,
         )
-        callbacks.append(monitor)
-    result = fit_once(
-        data,
-        trial,
-        batch_size=global_batch,
-        epochs=training["epochs"],
-        jit_compile=training["jit_compile"],
-        callbacks=callbacks,
-        verbose=training["verbose"] if chief else 0,
-        validation=True,
-        strategy=distribution.strategy,
-    )
+    except KeyboardInterrupt:
+        done = len(writer.history.get("loss", [])) if writer else 0
+        raise _interrupted(folder, done, training["epochs"]) from None
     if not chief:
         print(
             f"{distribution.task}: done; final test accuracy "
             f"{100 * result['test_accuracy']:.2f}%"
         )
         return 0
+    sizes = (batch_size, global_batch)
+    try:
+        files = _write_run_files(folder, config, data, distribution, sizes, result)
+        files += _write_trust_ratio_files(folder, config, monitor)
+    except KeyboardInterrupt:
+        epochs_run = len(result["history"].get("loss", []))
+        raise _interrupted(folder, epochs_run, training["epochs"]) from None
+    print()
+    if result["diverged"]:
+        print(
+            "Training DIVERGED: the loss became NaN/inf in epoch "
+            f"{(result['diverged_epoch'] or 0) + 1}; stopped there."
+        )
+    print(f"Final train accuracy: {100 * result['train_accuracy']:.2f}%")
+    print(f"Final test accuracy:  {100 * result['test_accuracy']:.2f}%")
+    print(f"Wrote {folder}/: {', '.join(files)}")
+    return 0
+
+
+def _trust_ratio_monitor(config, optimizer, folder):
+    """A `TrustRatioMonitor` for optimizers that expose trust ratios, else None."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if "trust_coefficient" not in constructor_parameters(type(inner)):
+        return None
+    return TrustRatioMonitor(
+        log_every_n_batches=config["monitor"]["log_every_n_batches"],
+        log_dir=(
+            os.path.join(folder, "tensorboard")
+            if config["monitor"]["tensorboard"] and folder is not None
+            else None
+        ),
+    )
+
+
+def _write_run_files(folder, config, data, distribution, sizes, result):
+    """history.json, summary.json, the model and the curves; their names."""
+    from tf_lars.cli.plots import plot_curves, plot_learning_rate
+
+    batch_size, global_batch = sizes
     steps_per_epoch = result["steps_per_epoch"]
     epochs_run = len(result["history"].get("loss", []))
     total_steps = steps_per_epoch * epochs_run
-
-    # Files: the resolved config first, so a crash below still leaves it.
-    resolved = dict(config)
-    optimizer = result["optimizer"]
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    inner_config = inner.get_config()
-    block_learning_rate = config["optimizer"]["config"].get("learning_rate")
-    if block_learning_rate is None:
-        inner_config.pop("learning_rate", None)
-    else:
-        inner_config["learning_rate"] = block_learning_rate
-    resolved["optimizer"] = {
-        "class_name": config["optimizer"]["class_name"],
-        "config": inner_config,
-    }
-    with open(os.path.join(folder, "config.yaml"), "w", encoding="utf-8") as handle:
-        handle.write(dump_config(resolved))
     history = {
         key: [_json_number(float(v)) for v in values]
         for key, values in result["history"].items()
@@ -814,6 +848,8 @@ def run(config):
         json.dump(
             {"epoch": list(range(1, epochs_run + 1)), **history}, handle, indent=1
         )
+    optimizer = result["optimizer"]
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
     summary = {
         "train_accuracy": result["train_accuracy"],
         "test_accuracy": result["test_accuracy"],
@@ -847,7 +883,7 @@ def run(config):
     plot_learning_rate(
         learning_rates, steps_per_epoch, os.path.join(folder, "learning_rate.png")
     )
-    files = [
+    return [
         "config.yaml",
         "history.json",
         "summary.json",
@@ -855,6 +891,13 @@ def run(config):
         "curves.png",
         "learning_rate.png",
     ]
+
+
+def _write_trust_ratio_files(folder, config, monitor):
+    """The trust-ratio plot and arrays (LARS-like optimizers); their names."""
+    from tf_lars.cli.plots import plot_trust_ratios
+
+    files = []
     if monitor is not None and len(monitor.trust_ratios):
         epoch_rows = [
             i
@@ -877,14 +920,4 @@ def run(config):
         files += ["trust_ratio.png", "trust_ratios.npz"]
     if config["monitor"]["tensorboard"] and monitor is not None:
         files.append("tensorboard/")
-
-    print()
-    if result["diverged"]:
-        print(
-            "Training DIVERGED: the loss became NaN/inf in epoch "
-            f"{(result['diverged_epoch'] or 0) + 1}; stopped there."
-        )
-    print(f"Final train accuracy: {100 * result['train_accuracy']:.2f}%")
-    print(f"Final test accuracy:  {100 * result['test_accuracy']:.2f}%")
-    print(f"Wrote {folder}/: {', '.join(files)}")
-    return 0
+    return files

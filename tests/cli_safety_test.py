@@ -1,0 +1,356 @@
+"""`tf-lars` keeps results safe and fails fast: run folders, Ctrl-C, errors.
+
+Every error here is one line on stderr and exit status 2; a Ctrl-C is one
+line and exit status 130, the run folder keeping what finished.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from tf_lars.cli.main import main
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+
+
+# Settings that make a run that should have been refused (as the code
+# before these checks did not) end in seconds instead of minutes.
+CHEAP = {
+    "train": ["--set", "training.epochs=1", "--set", "schedule.name=none",
+              "--set", "model.width=2", "--set", "training.verbose=0"],
+    "sweep": ["--set", "training.epochs=1", "--set", "schedule.warmup_epochs=0",
+              "--set", "sweep.batch_sizes=[full]", "--set", "sweep.grid_factors=[1.0]",
+              "--set", "sweep.workers=1", "--set", "model.width=2"],
+}  # fmt: skip
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _one_line_error(code, err, command):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"tf-lars {command}: error: "), err
+    return lines[0]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": python_path, **extra}
+
+
+# ------------------------------------------------------------ run folders
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_an_existing_named_run_folder_is_refused(command, tmp_path, capsys):
+    earlier = tmp_path / "runs" / "mine"
+    earlier.mkdir(parents=True)
+    (earlier / "history.json").write_text("the earlier run")
+    code, out, err = _run(
+        capsys, command, "--set", f"output_dir={tmp_path / 'runs'}",
+        "--set", "run_name=mine", *CHEAP[command],
+    )  # fmt: skip
+    line = _one_line_error(code, err, command)
+    assert line == (
+        f"tf-lars {command}: error: the run folder {earlier} exists (an earlier "
+        "run); choose another `run_name` (e.g. --set run_name=NAME), or give "
+        "--overwrite to replace its files. Received: run_name='mine'"
+    )
+    assert out == ""
+    assert os.listdir(earlier) == ["history.json"]
+    assert (earlier / "history.json").read_text() == "the earlier run"
+
+
+def test_overwrite_replaces_the_earlier_runs_files(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    # An earlier LARS run's files; the SGD run below writes no trust ratios.
+    (folder / "trust_ratio.png").write_text("stale")
+    (folder / "notes.txt").write_text("the user's own file")
+    code, out, err = _run(
+        capsys, "train", "--overwrite", "--set", f"output_dir={tmp_path}",
+        "--set", "run_name=mine", "--set", "training.epochs=2",
+        "--set", "schedule.name=none", "--set", "model.width=4",
+        "--set", "optimizer={class_name: SGD, config: {learning_rate: 0.1}}",
+        "--set", "training.verbose=0",
+    )  # fmt: skip
+    assert code == 0, err
+    assert sorted(os.listdir(folder)) == [
+        "config.yaml", "curves.png", "history.json", "learning_rate.png",
+        "model.keras", "notes.txt", "summary.json",
+    ]  # fmt: skip
+    assert (folder / "notes.txt").read_text() == "the user's own file"
+    assert json.loads((folder / "summary.json").read_text())["epochs_run"] == 2
+
+
+def test_an_unnamed_run_never_takes_an_existing_folder(tmp_path, monkeypatch):
+    from tf_lars.cli import preflight
+
+    monkeypatch.setattr(
+        preflight, "run_dir", lambda config, command: str(tmp_path / "train-x")
+    )
+    config = {"output_dir": str(tmp_path), "run_name": None}
+    assert preflight.choose_run_dir(config, "train") == str(tmp_path / "train-x")
+    (tmp_path / "train-x").mkdir()
+    (tmp_path / "train-x-2").mkdir()
+    assert preflight.choose_run_dir(config, "train") == str(tmp_path / "train-x-3")
+
+
+# -------------------------------------------------------------- Ctrl-C
+def _start(argv, cwd):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tf_lars.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=_env(),
+    )
+
+
+def _interrupt_after(process, marker):
+    """Sends SIGINT once stdout shows `marker`; returns (code, out, err)."""
+    seen = []
+    deadline = time.monotonic() + TIMEOUT
+    for line in process.stdout:
+        seen.append(line)
+        if marker in line or time.monotonic() > deadline:
+            break
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    return process.returncode, "".join(seen) + out, err
+
+
+def test_ctrl_c_in_train_keeps_the_config_and_history(tmp_path):
+    process = _start(
+        ["train", "--set", "run_name=r", "--set", "training.verbose=2",
+         "--set", "model.width=4"],
+        tmp_path,
+    )  # fmt: skip
+    code, out, err = _interrupt_after(process, "Epoch 4/100")
+    folder = tmp_path / "runs" / "r"
+    assert code == 130, err
+    history = json.loads((folder / "history.json").read_text())
+    done = len(history["epoch"])
+    assert 3 <= done < 100
+    assert history["epoch"] == list(range(1, done + 1))
+    assert len(history["loss"]) == len(history["val_accuracy"]) == done
+    assert err == (
+        "tf-lars train: interrupted (Ctrl-C); the run folder runs/r keeps "
+        f"INTERRUPTED, config.yaml, history.json ({done} of 100 epochs)\n"
+    )
+    assert sorted(os.listdir(folder)) == ["INTERRUPTED", "config.yaml", "history.json"]
+    assert (
+        (folder / "INTERRUPTED")
+        .read_text()
+        .startswith(f"Interrupted (Ctrl-C) after {done} of 100 epochs.")
+    )
+    assert "model:\n  name: cnn\n  width: 4\n" in (folder / "config.yaml").read_text()
+
+
+def test_ctrl_c_in_sweep_keeps_the_finished_trainings_and_their_table(tmp_path):
+    process = _start(
+        ["sweep", "--set", "run_name=s", "--set", "training.epochs=3",
+         "--set", "schedule.warmup_epochs=1", "--set", "sweep.batch_sizes=[512]",
+         "--set", "sweep.grid_factors=[0.5]", "--set", "sweep.workers=2",
+         "--set", "model.width=4"],
+        tmp_path,
+    )  # fmt: skip
+    code, out, err = _interrupt_after(process, " 2/10]")
+    folder = tmp_path / "runs" / "s"
+    assert code == 130, err
+    results = json.loads((folder / "results.json").read_text())
+    done = len(results["runs"])
+    assert 2 <= done < 10
+    assert results["interrupted"] is True and results["runs_planned"] == 10
+    assert err == (
+        "tf-lars sweep: interrupted (Ctrl-C); the run folder runs/s keeps "
+        f"config.yaml, results.json and table.md of the {done} of 10 trainings "
+        "that finished, and INTERRUPTED\n"
+    )
+    assert sorted(os.listdir(folder)) == [
+        "INTERRUPTED", "config.yaml", "results.json", "table.md",
+    ]  # fmt: skip
+    table = (folder / "table.md").read_text()
+    # Per optimizer: "linear LR" and "best of grid" cells, "not run" without
+    # a finished training (the linear one, for the first).
+    not_run = 0
+    for label in results["labels"]:
+        runs = [run for run in results["runs"] if run["label"] == label]
+        not_run += 2 if not runs else int(all(r["factor"] != 1.0 for r in runs))
+    assert table.count("not run") == not_run < 10
+    linear = [run for run in results["runs"] if run["factor"] == 1.0]
+    for run in linear:
+        assert f"(lr {run['learning_rate']:.3g})" in table
+    # The workers stopped with the sweep: no process is left training.
+    assert "[10/10]" not in out
+
+
+# ------------------------------------------------------ one-line errors
+def test_a_config_file_that_is_not_text(tmp_path, capsys):
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(bytes(range(256)))
+    code, _, err = _run(capsys, "train", "--config", str(binary))
+    assert _one_line_error(code, err, "train") == (
+        f"tf-lars train: error: --config {binary}: not a text file (byte 128 is "
+        "not UTF-8); give a YAML file of config keys"
+    )
+
+
+def test_an_error_in_the_config_file_names_the_file(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  epochs: ten\n")
+    code, _, err = _run(capsys, "train", "--config", str(path))
+    assert _one_line_error(code, err, "train") == (
+        f"tf-lars train: error: --config {path}: `training.epochs` must be an int "
+        ">= 1. Received: training.epochs='ten'"
+    )
+    # The same value from --set (applied last) is named as before.
+    code, _, err = _run(
+        capsys, "train", "--config", str(path), "--set", "training.epochs=eleven"
+    )
+    assert _one_line_error(code, err, "train") == (
+        "tf-lars train: error: `training.epochs` must be an int >= 1. "
+        "Received: training.epochs='eleven'"
+    )
+    optimizer = tmp_path / "o.yaml"
+    optimizer.write_text(
+        "optimizer:\n  class_name: SGD\n  config: {learning_rate: 0.1, nesterov: 1}\n"
+    )
+    code, _, err = _run(capsys, "train", "--config", str(optimizer))
+    assert _one_line_error(code, err, "train") == (
+        f"tf-lars train: error: --config {optimizer}: `optimizer.config.nesterov` "
+        "must be true or false. Received: optimizer.config.nesterov=1"
+    )
+
+
+def test_data_that_is_not_an_npz_gets_no_pickle_advice(tmp_path, capsys):
+    npy = tmp_path / "x.npy"
+    np.save(npy, np.zeros(3))
+    pickled = tmp_path / "p.npz"
+    np.savez(
+        pickled,
+        x_train=np.array([{"a": 1}], dtype=object),
+        y_train=np.zeros(1),
+        x_test=np.zeros((1, 2)),
+        y_test=np.zeros(1),
+    )
+    for path, expected in (
+        (npy, "not an .npz archive; the file must be what numpy.savez writes, "
+         "with the numeric arrays x_train, y_train, x_test, y_test"),
+        (pickled, "holds object (pickled) arrays, which are not loaded: x_train, "
+         "y_train, x_test, y_test must be numeric arrays"),
+    ):  # fmt: skip
+        code, _, err = _run(capsys, "train", "--set", f"data.path={path}")
+        line = _one_line_error(code, err, "train")
+        assert line == f"tf-lars train: error: data.path={path}: {expected}"
+        assert "allow_pickle" not in line
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_an_output_dir_that_cannot_hold_a_run_folder(command, tmp_path, capsys):
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    for output_dir, expected in (
+        (regular, "`output_dir` is a file, not a folder"),
+        (regular / "runs", f"`output_dir` is under {regular}, which is a file, "
+         "not a folder"),
+    ):  # fmt: skip
+        code, _, err = _run(
+            capsys, command, "--set", f"output_dir={output_dir}", *CHEAP[command]
+        )
+        assert _one_line_error(code, err, command) == (
+            f"tf-lars {command}: error: {expected}. Received: output_dir='{output_dir}'"
+        )
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_read_only_output_dir(command, tmp_path, capsys, monkeypatch):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.geteuid() == 0:
+        # root may write in any folder but not on a read-only file system,
+        # which `os.access` reports the same way; this stands in for one.
+        access = os.access
+        monkeypatch.setattr(
+            os,
+            "access",
+            lambda path, mode: access(path, mode) and str(path) != str(read_only),
+        )
+    try:
+        code, _, err = _run(
+            capsys, command, "--set", f"output_dir={read_only}/runs", *CHEAP[command]
+        )
+    finally:
+        read_only.chmod(0o755)
+    assert _one_line_error(code, err, command) == (
+        f"tf-lars {command}: error: `output_dir`: cannot write in {read_only} "
+        "(permission denied or a read-only file system). "
+        f"Received: output_dir='{read_only}/runs'"
+    )
+    assert os.listdir(read_only) == []
+
+
+# ------------------------------------------- checked before TensorFlow
+PROBE = textwrap.dedent(
+    """
+    import sys
+    sys.argv = ["/usr/bin/tf-lars"]
+    from tf_lars.cli.main import main
+    code = main(ARGV)
+    print("CODE", code, "TENSORFLOW", "tensorflow" in sys.modules)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train", "--set", "training.epochs=ten"], "`training.epochs` must be"),
+        (["train", "--set", "training.epochs=5"], "`schedule.warmup_epochs` must"),
+        (["train", "--set", "training.batch_size=5000"], "at most the training"),
+        (["train", "--set", "data.path=missing.npz"], "file not found"),
+        (["train", "--set", "model.name=cnn", "--set", "data.path=flat.npz"],
+         "`model.name`=cnn needs image examples"),
+        (["train", "--set", "run_name=taken"], "the run folder runs/taken exists"),
+        (["sweep", "--set", "optimizers.0.label=LARS"], "must be unique"),
+        (["sweep", "--set", "sweep.batch_sizes=[99999]"], "at most the training"),
+        (["sweep", "--set", "training.epochs=3"], "`schedule.warmup_epochs` must"),
+    ],
+)  # fmt: skip
+def test_config_mistakes_are_reported_before_tensorflow_is_imported(
+    argv, expected, tmp_path
+):
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    np.savez(
+        tmp_path / "flat.npz",
+        x_train=np.zeros((4, 3)),
+        y_train=np.arange(4) % 2,
+        x_test=np.zeros((2, 3)),
+        y_test=np.arange(2),
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", PROBE.replace("ARGV", repr(argv))],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=TIMEOUT,
+    )
+    assert process.stdout.strip() == "CODE 2 TENSORFLOW False", process.stderr
+    assert expected in process.stderr
+    assert len(process.stderr.strip().splitlines()) == 1, process.stderr

@@ -1,0 +1,244 @@
+"""The checks of a `train` or `sweep` config that need no TensorFlow.
+
+`tf-lars` runs them before it imports TensorFlow (which takes seconds), so a
+config, data or output-folder mistake is reported at once: the data is
+loaded, batch sizes and the warm-up length are checked against it, the model
+against the examples' shape, and the run folder is chosen (never an existing
+one unless `--overwrite` is given). This module imports NumPy, PyYAML and
+pydantic (through `config`), never TensorFlow or Keras.
+"""
+
+import os
+import shutil
+
+from tf_lars.cli.config import ConfigError, run_dir
+
+# What each command writes into its run folder: `--overwrite` removes these
+# (and nothing else) first, so that no file of the earlier run is left to be
+# mistaken for the new run's.
+RUN_FILES = {
+    "train": (
+        "config.yaml", "history.json", "summary.json", "model.keras",
+        "curves.png", "learning_rate.png", "trust_ratio.png", "trust_ratios.npz",
+        "tensorboard", "INTERRUPTED",
+    ),
+    "sweep": (
+        "config.yaml", "results.json", "table.md", "sweep.png", "INTERRUPTED",
+    ),
+}  # fmt: skip
+INTERRUPTED_NOTE = "INTERRUPTED"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, caught by a command; the message says what its folder keeps."""
+
+
+def resolve_batch_size(batch_size, num_train, key):
+    """An int batch size; `"full"` is the whole training set."""
+    if batch_size == "full":
+        return num_train
+    if batch_size > num_train:
+        raise ConfigError(
+            f"`{key}` must be at most the training set size ({num_train}) or "
+            f"'full'. Received: {key}={batch_size!r}",
+            key=key,
+        )
+    return batch_size
+
+
+def check_warmup(schedule_config, steps_per_epoch, epochs):
+    """Refuses a warm-up that leaves no step to decay over."""
+    total_steps = steps_per_epoch * epochs
+    warmup_steps = int(round(schedule_config["warmup_epochs"] * steps_per_epoch))
+    if total_steps - warmup_steps < 1:
+        raise ConfigError(
+            "`schedule.warmup_epochs` must be less than the number of epochs "
+            f"({epochs}). Received: schedule.warmup_epochs="
+            f"{schedule_config['warmup_epochs']!r}",
+            key="schedule.warmup_epochs",
+        )
+    return warmup_steps
+
+
+def check_distribute(distribute_config, environ=None):
+    """Refuses `distribute` settings that do not go together.
+
+    Raises:
+        ConfigError: `logical_cpus` without the mirrored strategy, or a
+            `TF_CONFIG` (a cluster task) without the multi_worker strategy,
+            where every task would train alone and write the same run folder.
+    """
+    strategy = distribute_config["strategy"]
+    logical_cpus = distribute_config["logical_cpus"]
+    if logical_cpus is not None and strategy != "mirrored":
+        raise ConfigError(
+            "`distribute.logical_cpus` applies to `distribute.strategy`=mirrored "
+            f"only. Received: distribute.logical_cpus={logical_cpus!r} with "
+            f"distribute.strategy={strategy!r}"
+        )
+    environ = os.environ if environ is None else environ
+    if strategy != "multi_worker" and environ.get("TF_CONFIG"):
+        raise ConfigError(
+            "TF_CONFIG is set (this process is a task of a cluster), so "
+            "`distribute.strategy` must be multi_worker (or unset TF_CONFIG). "
+            f"Received: distribute.strategy={strategy!r}"
+        )
+
+
+def check_model_input(model_config, input_shape):
+    """Refuses a CNN for examples that are not images."""
+    if model_config["name"] == "cnn" and (
+        len(input_shape) not in (2, 3) or min(input_shape[:2]) < 2
+    ):
+        raise ConfigError(
+            "`model.name`=cnn needs image examples of shape (H, W) or "
+            f"(H, W, C) with H, W >= 2; the data has examples of shape "
+            f"{tuple(input_shape)}. Use --set model.name=mlp"
+        )
+
+
+def _check_output_dir(output_dir):
+    """Refuses an `output_dir` that cannot hold a run folder."""
+    shown = f"Received: output_dir={output_dir!r}"
+    path = os.path.abspath(output_dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is" if existing == path else f"is under {existing}, which is"
+        raise ConfigError(f"`output_dir` {where} a file, not a folder. {shown}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"`output_dir`: cannot write in {existing} (permission denied or a "
+            f"read-only file system). {shown}"
+        )
+
+
+def choose_run_dir(config, command, overwrite=False):
+    """The run folder a command will write: never an existing one by chance.
+
+    A named run (`run_name`) whose folder exists is refused unless
+    `overwrite`; an unnamed run whose timestamped name exists (two runs in
+    the same second) gets the next free `-2`, `-3`, ... suffix.
+
+    Raises:
+        ConfigError: an `output_dir` that is a file, under a file or not
+            writable; an existing named run folder without `overwrite`.
+    """
+    _check_output_dir(config["output_dir"])
+    folder = run_dir(config, command)
+    if not os.path.lexists(folder):
+        return folder
+    if config["run_name"] is None:
+        suffix = 2
+        while os.path.lexists(f"{folder}-{suffix}"):
+            suffix += 1
+        return f"{folder}-{suffix}"
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"the run folder {folder} exists and is a file; choose another "
+            f"`run_name`. Received: run_name={config['run_name']!r}"
+        )
+    if not overwrite:
+        raise ConfigError(
+            f"the run folder {folder} exists (an earlier run); choose another "
+            "`run_name` (e.g. --set run_name=NAME), or give --overwrite to replace "
+            f"its files. Received: run_name={config['run_name']!r}"
+        )
+    return folder
+
+
+def open_run_dir(folder, command):
+    """Creates the run folder, or empties an `--overwrite`n one of our files.
+
+    Raises:
+        ConfigError: the folder cannot be created or cleared.
+    """
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for name in RUN_FILES[command]:
+            path = os.path.join(folder, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write the run folder {folder}: {error.strerror or error}"
+        ) from None
+    return folder
+
+
+def write_text(folder, name, text):
+    """Writes one file of a run folder; an OS error is a `ConfigError`."""
+    try:
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write {os.path.join(folder, name)}: {error.strerror or error}"
+        ) from None
+
+
+def check_train(config, data):
+    check_distribute(config["distribute"])
+    check_model_input(config["model"], data.x_train.shape[1:])
+    if config["distribute"]["strategy"] != "none":
+        return  # the replicas (and so the global batch) come from TensorFlow
+    training = config["training"]
+    batch_size = resolve_batch_size(
+        training["batch_size"], len(data.x_train), "training.batch_size"
+    )
+    learning_rate = config["optimizer"]["config"].get("learning_rate")
+    if config["schedule"]["name"] != "none" and not isinstance(learning_rate, dict):
+        check_warmup(
+            config["schedule"], len(data.x_train) // batch_size, training["epochs"]
+        )
+
+
+def check_sweep(config, data):
+    check_model_input(config["model"], data.x_train.shape[1:])
+    labels = [entry["label"] for entry in config["optimizers"]]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise ConfigError(
+                f"`optimizers.*.label` must be unique. Received: label={label!r} twice"
+            )
+    num_train = len(data.x_train)
+    for index, batch_size in enumerate(config["sweep"]["batch_sizes"]):
+        batch_size = resolve_batch_size(
+            batch_size, num_train, f"sweep.batch_sizes.{index}"
+        )
+        check_warmup(
+            config["schedule"], num_train // batch_size, config["training"]["epochs"]
+        )
+
+
+def preflight(command, config, overwrite=False):
+    """Every check of a validated config that needs no TensorFlow.
+
+    Args:
+        command: str, "train" or "sweep".
+        config: a validated config (`tf_lars.cli.config.load_config`).
+        overwrite: bool, the `--overwrite` option.
+
+    Returns:
+        `(data, folder)`: the loaded `Dataset` and the run folder to write
+        (not created yet; None for a multi-worker run, whose chief is known
+        only once TensorFlow reads the cluster).
+
+    Raises:
+        ConfigError, DataError: the first problem found.
+    """
+    from tf_lars.cli.data import load_data
+
+    data = load_data(config["data"])
+    if command == "train":
+        check_train(config, data)
+    else:
+        check_sweep(config, data)
+    multi_worker = command == "train" and (
+        config["distribute"]["strategy"] == "multi_worker"
+    )
+    folder = None if multi_worker else choose_run_dir(config, command, overwrite)
+    return data, folder
