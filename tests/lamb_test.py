@@ -456,3 +456,11 @@ def test_mirrored_strategy_uses_all_reduced_gradient():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MIRRORED OK" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("argument", ["learning_rate", "weight_decay", "epsilon"])
+def test_numbers_beyond_float32_are_refused(argument):
+    with pytest.raises(
+        ValueError, match=rf"`{argument}` must be at most 3.4028235e\+38"
+    ):
+        tf_lars.LAMB(**{argument: 1e300})

@@ -850,3 +850,18 @@ def test_python_list_gradients_trace_the_compiled_apply_once():
     (compiled,) = optimizer._compiled_apply.values()
     assert compiled.experimental_get_tracing_count() == 1
     assert optimizer.iterations.numpy() == 6
+
+
+@pytest.mark.parametrize(
+    "argument", ["learning_rate", "weight_decay", "trust_coefficient", "epsilon"]
+)
+@pytest.mark.parametrize("value", [1e300, 3.5e38])
+def test_numbers_beyond_float32_are_refused(argument, value):
+    # Finite in Python, inf in the float32 variable or step (1e300 used to
+    # make the learning-rate variable inf and every weight NaN).
+    with pytest.raises(ValueError) as error:
+        tf_lars.LARS(**{argument: value})
+    message = str(error.value)
+    assert message.startswith(f"`{argument}` must be at most 3.4028235e+38")
+    assert message.endswith(f"Received: {argument}={value!r}")
+    tf_lars.LARS(**{argument: 3.4e38})  # the largest float32s are accepted

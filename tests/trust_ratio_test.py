@@ -408,3 +408,21 @@ def test_python_list_gradients_trace_the_compiled_apply_once():
     assert compiled.experimental_get_tracing_count() == 1
     assert optimizer.iterations.numpy() == 6
     assert optimizer.inner_optimizer.iterations.numpy() == 6
+
+
+@pytest.mark.parametrize("argument", ["weight_decay", "trust_coefficient", "epsilon"])
+def test_numbers_beyond_float32_are_refused(argument):
+    with pytest.raises(
+        ValueError, match=rf"`{argument}` must be at most 3.4028235e\+38"
+    ):
+        tf_lars.TrustRatio(keras.optimizers.SGD(), **{argument: 1e300})
+
+
+def test_inner_learning_rate_beyond_float32_is_refused():
+    # Keras keeps 1e300 as inf in its float32 variable; every step was NaN.
+    with pytest.raises(ValueError) as error:
+        tf_lars.TrustRatio(keras.optimizers.Adam(learning_rate=1e300))
+    assert str(error.value).startswith(
+        "`inner_optimizer.learning_rate` must be finite in float32"
+    )
+    assert "Adam with learning_rate=inf" in str(error.value)

@@ -12,7 +12,12 @@ import tensorflow as tf
 
 from tf_lars import _lars_fast
 from tf_lars._exclusions import LayerwiseExclusions
-from tf_lars._validation import check_bool, check_config_keys, check_number
+from tf_lars._validation import (
+    check_bool,
+    check_config_keys,
+    check_inner_learning_rate,
+    check_number,
+)
 from tf_lars._wrapper import InnerOptimizerWrapper
 
 __all__ = ["TrustRatio"]
@@ -55,6 +60,7 @@ def _check_inner_optimizer(inner_optimizer):
                 "on the TrustRatio (its weight decay sits inside the ratio). "
                 f"Received: inner_optimizer.{argument}={value!r}"
             )
+    check_inner_learning_rate(inner_optimizer)
     if getattr(inner_optimizer, "use_ema", False):
         raise ValueError(
             "`inner_optimizer.use_ema` must be False: set `use_ema` on the "
