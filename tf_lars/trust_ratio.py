@@ -370,8 +370,9 @@ class TrustRatio(
 
     def _ratio(self, variable, direction, scale, learning_rate):
         compute = _lars_fast.compute_dtype(variable)
-        w_norm = tf.sqrt(_lars_fast.squared_norm(tf.cast(variable, compute)))
-        direction_norm = tf.sqrt(_lars_fast.squared_norm(tf.cast(direction, compute)))
+        w_norm, direction_norm = tf.unstack(
+            _lars_fast.norms([tf.cast(variable, compute), tf.cast(direction, compute)])
+        )
         step_norm = tf.abs(tf.cast(scale, compute)) * direction_norm
         rate = tf.cast(learning_rate, compute)
         usable = tf.logical_and(w_norm > 0, tf.logical_and(step_norm > 0, rate > 0))
