@@ -867,32 +867,17 @@ def test_numbers_beyond_float32_are_refused(argument, value):
     tf_lars.LARS(**{argument: 3.4e38})  # the largest float32s are accepted
 
 
-# Entry magnitudes whose squares overflow (1e19 and up) or underflow (1e-30)
-# float32; each variable's norm stays representable. Norms used to be inf or
-# 0: weights NaN (or moved by a whole step) while `trust_ratios` read 1.
-MAGNITUDES = [1e19, 1e30, 3e38, 1e-30]
-
-
-def extreme_values(scale, seed=0):
-    """A (4,) and a (64, 128) tensor of entries near `scale`, norms <= scale."""
-    rng = np.random.default_rng(seed)
-    sign = lambda shape: np.where(rng.random(shape) < 0.5, -1.0, 1.0)  # noqa: E731
-    small = sign(4) * rng.uniform(0.5, 1.0, 4) * scale / 2
-    large = sign((64, 128)) * rng.uniform(0.5, 1.0, (64, 128)) * scale / 128
-    return [small.astype("float32"), large.astype("float32")]
-
-
 @pytest.mark.parametrize("compiled", ["eager", "jit"])
 @pytest.mark.parametrize("mode", ["paper", "decayed", "clip"])
-@pytest.mark.parametrize("scale", MAGNITUDES)
+@pytest.mark.parametrize("scale", ref.MAGNITUDES)
 def test_extreme_magnitudes_give_finite_reference_steps(scale, mode, compiled):
     options = dict(momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001)
     if mode == "clip":
         options.update(trust_ratio="paper", trust_clip=True)
     else:
         options.update(trust_ratio=mode)
-    weights = extreme_values(scale)
-    grads = extreme_values(scale, seed=1)
+    weights = ref.extreme_values(scale)
+    grads = ref.extreme_values(scale, seed=1)
     variables = [keras.Variable(w) for w in weights]
     optimizer = tf_lars.LARS(learning_rate=0.1, **options)
     optimizer.jit_compile = False  # "eager": op by op

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tf_lars
 from tests import lamb_reference as ref
+from tests import lars_reference as lars_ref
 from tf_lars.lars import ALL_1D
 
 SHAPES = [(), (5,), (4, 3), (2, 3, 2, 3)]
@@ -507,3 +508,39 @@ def test_trust_ratio_around_every_keras_optimizer(cls):
         np.testing.assert_allclose(
             optimizer.trust_ratios.numpy()[0], ratio, rtol=ratio_rtol
         )
+
+
+@pytest.mark.parametrize("compiled", ["eager", "jit"])
+@pytest.mark.parametrize("which", ["sgd", "adam", "lamb"])
+@pytest.mark.parametrize("scale", lars_ref.MAGNITUDES)
+def test_extreme_magnitudes_give_finite_reference_steps(scale, which, compiled):
+    # Weights of 1e19 and up used to become -inf (|w| overflowed), 1e-30 to
+    # move by a whole step (|w| underflowed to 0, T = 1).
+    weights = lars_ref.extreme_values(scale)
+    grads = lars_ref.extreme_values(1.0, seed=1)
+    if which == "sgd":
+        optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(0.1), weight_decay=0.01)
+        want, ratios = ref.wrapped_run(
+            weights, [grads], 0.1, lambda state, i, g, t: g, weight_decay=0.01
+        )
+    elif which == "adam":
+        optimizer = tf_lars.TrustRatio(keras.optimizers.Adam(0.1))
+        want, ratios = ref.wrapped_run(
+            weights, [grads], 0.1, ref.keras_adam_direction()
+        )
+    else:
+        optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
+        want = ref.optax_lamb(weights, [grads], 0.1, weight_decay=0.01)
+        ratios = None
+    variables = [keras.Variable(w) for w in weights]
+    optimizer.jit_compile = False  # "eager": op by op
+    optimizer.build(variables)
+    apply = lambda gradients: optimizer.apply(gradients, variables)  # noqa: E731
+    if compiled == "jit":
+        apply = tf.function(apply, jit_compile=True)
+    apply([tf.constant(g) for g in grads])
+    for variable, expected in zip(variables, want, strict=True):
+        assert np.all(np.isfinite(variable.numpy()))
+        np.testing.assert_allclose(variable.numpy(), expected, rtol=2e-5)
+    if ratios is not None:
+        np.testing.assert_allclose(optimizer.trust_ratios.numpy(), ratios, rtol=2e-5)
