@@ -563,3 +563,8 @@ def test_counters_are_written_through_the_optimizer(monkeypatch):
     assert any(v is opt.commits for v in written)
     assert any(v is opt.local_steps for v in written)
     assert int(opt.commits.numpy()) == 1 and int(opt.local_steps.numpy()) == 2
+
+
+def test_inner_learning_rate_beyond_float32_is_refused():
+    with pytest.raises(ValueError, match="SGD with learning_rate=inf"):
+        AGN(keras.optimizers.SGD(learning_rate=1e300))

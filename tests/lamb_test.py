@@ -456,3 +456,60 @@ def test_mirrored_strategy_uses_all_reduced_gradient():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MIRRORED OK" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("argument", ["learning_rate", "weight_decay", "epsilon"])
+def test_numbers_beyond_float32_are_refused(argument):
+    with pytest.raises(
+        ValueError, match=rf"`{argument}` must be at most 3.4028235e\+38"
+    ):
+        tf_lars.LAMB(**{argument: 1e300})
+
+
+# Machine epsilon of the 16-bit floats: 2**-7 (bfloat16), 2**-10 (float16).
+HALF_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("which", ["lamb", "trust_ratio_adam"])
+def test_half_precision_weights_follow_the_float32_reference(which, dtype):
+    # LAMB in bfloat16 used to give NaN from the first step: 1 - b2**t
+    # rounds to 0 in bfloat16. Tolerance: 4 epsilons of `dtype` times the
+    # largest weight after three steps (each weight is rounded every step).
+    rng = np.random.default_rng(5)
+    weights = [rng.normal(size=(3, 4)), rng.normal(size=(4,))]
+    weights = [w.astype(dtype).astype("float64") for w in weights]  # exact
+    grads = [
+        [rng.normal(size=w.shape).astype(dtype).astype("float64") for w in weights]
+        for _ in range(3)
+    ]
+    if which == "lamb":
+        optimizer = tf_lars.LAMB(learning_rate=0.01, weight_decay=0.0)
+        want = ref.optax_lamb(weights, grads, 0.01)
+    else:
+        optimizer = tf_lars.TrustRatio(keras.optimizers.Adam(learning_rate=0.01))
+        want, _ = ref.wrapped_run(weights, grads, 0.01, ref.keras_adam_direction())
+    variables = [keras.Variable(w, dtype=dtype) for w in weights]
+    for step_grads in grads:
+        optimizer.apply([tf.constant(g, dtype) for g in step_grads], variables)
+    for variable, expected in zip(variables, want, strict=True):
+        got = np.asarray(variable.numpy(), "float64")
+        assert np.all(np.isfinite(got))
+        tolerance = 4 * HALF_EPS[dtype] * np.max(np.abs(expected))
+        np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance)
+
+
+def test_lamb_fits_a_bfloat16_dense_layer():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(32, 5)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(2, dtype="bfloat16")]
+    )
+    model.compile(optimizer=tf_lars.LAMB(learning_rate=0.01), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert all(np.isfinite(history.history["loss"]))
+    for weight in model.weights:
+        assert np.all(np.isfinite(np.asarray(weight.numpy(), "float32")))
+    assert history.history["loss"][1] < history.history["loss"][0]

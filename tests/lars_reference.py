@@ -85,3 +85,18 @@ def sparse_step(
             v[i] = momentum * v[i] + g
             w[i] -= lr * (g + momentum * v[i]) if nesterov else lr * v[i]
     return w, v
+
+
+# Entry magnitudes whose squares overflow (1e19 and up) or underflow (1e-30)
+# float32; each variable's norm stays representable. Norms used to be inf or
+# 0: weights NaN (or moved by a whole step) while `trust_ratios` read 1.
+MAGNITUDES = [1e19, 1e30, 3e38, 1e-30]
+
+
+def extreme_values(scale, seed=0):
+    """A (4,) and a (64, 128) tensor of entries near `scale`, norms <= scale."""
+    rng = np.random.default_rng(seed)
+    sign = lambda shape: np.where(rng.random(shape) < 0.5, -1.0, 1.0)  # noqa: E731
+    small = sign(4) * rng.uniform(0.5, 1.0, 4) * scale / 2
+    large = sign((64, 128)) * rng.uniform(0.5, 1.0, (64, 128)) * scale / 128
+    return [small.astype("float32"), large.astype("float32")]

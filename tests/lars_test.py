@@ -850,3 +850,45 @@ def test_python_list_gradients_trace_the_compiled_apply_once():
     (compiled,) = optimizer._compiled_apply.values()
     assert compiled.experimental_get_tracing_count() == 1
     assert optimizer.iterations.numpy() == 6
+
+
+@pytest.mark.parametrize(
+    "argument", ["learning_rate", "weight_decay", "trust_coefficient", "epsilon"]
+)
+@pytest.mark.parametrize("value", [1e300, 3.5e38])
+def test_numbers_beyond_float32_are_refused(argument, value):
+    # Finite in Python, inf in the float32 variable or step (1e300 used to
+    # make the learning-rate variable inf and every weight NaN).
+    with pytest.raises(ValueError) as error:
+        tf_lars.LARS(**{argument: value})
+    message = str(error.value)
+    assert message.startswith(f"`{argument}` must be at most 3.4028235e+38")
+    assert message.endswith(f"Received: {argument}={value!r}")
+    tf_lars.LARS(**{argument: 3.4e38})  # the largest float32s are accepted
+
+
+@pytest.mark.parametrize("compiled", ["eager", "jit"])
+@pytest.mark.parametrize("mode", ["paper", "decayed", "clip"])
+@pytest.mark.parametrize("scale", ref.MAGNITUDES)
+def test_extreme_magnitudes_give_finite_reference_steps(scale, mode, compiled):
+    options = dict(momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001)
+    if mode == "clip":
+        options.update(trust_ratio="paper", trust_clip=True)
+    else:
+        options.update(trust_ratio=mode)
+    weights = ref.extreme_values(scale)
+    grads = ref.extreme_values(scale, seed=1)
+    variables = [keras.Variable(w) for w in weights]
+    optimizer = tf_lars.LARS(learning_rate=0.1, **options)
+    optimizer.jit_compile = False  # "eager": op by op
+    optimizer.build(variables)
+    apply = lambda gradients: optimizer.apply(gradients, variables)  # noqa: E731
+    if compiled == "jit":
+        apply = tf.function(apply, jit_compile=True)
+    apply([tf.constant(g) for g in grads])
+    for k, (variable, w, g) in enumerate(zip(variables, weights, grads, strict=True)):
+        want, _, ratio = ref.dense_step(w, g, np.zeros_like(w), 0.1, **options)
+        got = variable.numpy()
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=2e-5)
+        np.testing.assert_allclose(optimizer.trust_ratios.numpy()[k], ratio, rtol=2e-5)

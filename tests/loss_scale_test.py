@@ -989,3 +989,8 @@ def test_counters_are_written_through_self_assign():
     assert names == ["dynamic_scale", "skipped_step_counter", "step_counter"]
     assert float(optimizer.loss_scale) == 8.0  # 8 -> 16 -> 8
     assert int(optimizer.skipped_steps) == 1
+
+
+def test_inner_learning_rate_beyond_float32_is_refused():
+    with pytest.raises(ValueError, match="SGD with learning_rate=inf"):
+        tf_lars.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=1e300))

@@ -214,3 +214,18 @@ def test_linear_scaled_learning_rate_bad_arguments(args, message):
     with pytest.raises(ValueError) as error:
         linear_scaled_learning_rate(*args)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("argument", ["peak_learning_rate", "power"])
+def test_schedule_numbers_beyond_float32_are_refused(argument):
+    arguments = dict(peak_learning_rate=1.0, warmup_steps=2, decay_steps=10)
+    arguments[argument] = 1e300
+    with pytest.raises(
+        ValueError, match=rf"`{argument}` must be at most 3.4028235e\+38"
+    ):
+        WarmupPolynomialDecay(**arguments)
+
+
+def test_linear_scaling_base_beyond_float32_is_refused():
+    with pytest.raises(ValueError, match=r"Received: base_learning_rate=1e\+300"):
+        linear_scaled_learning_rate(1e300, 256)

@@ -21,6 +21,11 @@ import keras
 import tensorflow as tf
 
 
+def _scalar_dtype(dtype):
+    """Bias corrections are computed in float32 (float64 for float64)."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
 class LambAdam(keras.optimizers.Adam):
     """`keras.optimizers.Adam` with epsilon added after the bias correction."""
 
@@ -40,26 +45,38 @@ class LambAdam(keras.optimizers.Adam):
         index = self._get_variable_index(variable)
         m = self._momentums[index]
         v = self._velocities[index]
-        beta_1 = tf.constant(self.beta_1, dtype)
-        beta_2 = tf.constant(self.beta_2, dtype)
+        # `1 - beta` is rounded once from the Python float: bfloat16 holds
+        # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
+        one_minus_1 = tf.constant(1 - self.beta_1, dtype)
+        one_minus_2 = tf.constant(1 - self.beta_2, dtype)
         if isinstance(gradient, tf.IndexedSlices):
-            self._sparse_moments(gradient, m, v, beta_1, beta_2)
+            self._sparse_moments(gradient, m, v, one_minus_1, one_minus_2)
         else:
             gradient = tf.cast(gradient, dtype)
-            self.assign_add(m, (gradient - m) * (1 - beta_1))
-            self.assign_add(v, (tf.square(gradient) - v) * (1 - beta_2))
-        epsilon = tf.constant(self.epsilon, dtype) * self._root_2(dtype)
+            self.assign_add(m, (gradient - m) * one_minus_1)
+            self.assign_add(v, (tf.square(gradient) - v) * one_minus_2)
+        epsilon = tf.cast(
+            tf.constant(self.epsilon, _scalar_dtype(dtype)) * self._root_2(dtype), dtype
+        )
         return self.direction_scale(dtype, learning_rate), m / (tf.sqrt(v) + epsilon)
 
     def _root_2(self, dtype):
+        """`sqrt(1 - b2**t)` in float32 (float64 for float64 variables)."""
+        dtype = _scalar_dtype(dtype)
         step = tf.cast(self.iterations + 1, dtype)
         return tf.sqrt(1 - tf.pow(tf.constant(self.beta_2, dtype), step))
 
     def direction_scale(self, dtype, learning_rate):
-        """`lr * sqrt(1 - b2**t) / (1 - b1**t)`: the step is this times `direction`."""
-        step = tf.cast(self.iterations + 1, dtype)
-        correction_1 = 1 - tf.pow(tf.constant(self.beta_1, dtype), step)
-        return tf.cast(learning_rate, dtype) / correction_1 * self._root_2(dtype)
+        """`lr * sqrt(1 - b2**t) / (1 - b1**t)`: the step is this times `direction`.
+
+        Computed in float32 and cast to `dtype`: in bfloat16 `b2**t` rounds
+        to 1 and the scale to 0 (with a zero epsilon term: 0 * inf = NaN).
+        """
+        scalar = _scalar_dtype(dtype)
+        step = tf.cast(self.iterations + 1, scalar)
+        correction_1 = 1 - tf.pow(tf.constant(self.beta_1, scalar), step)
+        scale = tf.cast(learning_rate, scalar) / correction_1 * self._root_2(dtype)
+        return tf.cast(scale, dtype)
 
     def fused_direction(self, gradient, variable, buffer, start):
         """`direction` in one kernel pass, added to `start` in `buffer`.
@@ -91,15 +108,15 @@ class LambAdam(keras.optimizers.Adam):
             use_nesterov=False,
         )
 
-    def _sparse_moments(self, gradient, m, v, beta_1, beta_2):
+    def _sparse_moments(self, gradient, m, v, one_minus_1, one_minus_2):
         dtype = m.dtype
         values = tf.cast(gradient.values, dtype)
         rows, position = tf.unique(tf.cast(gradient.indices, tf.int64))
         summed = tf.math.unsorted_segment_sum(values, position, tf.size(rows))
-        self.assign(m, m * beta_1)
-        self.assign_add(m, tf.IndexedSlices(summed * (1 - beta_1), rows))
-        self.assign(v, v * beta_2)
-        self.assign_add(v, tf.IndexedSlices(tf.square(summed) * (1 - beta_2), rows))
+        self.assign(m, m * tf.constant(self.beta_1, dtype))
+        self.assign_add(m, tf.IndexedSlices(summed * one_minus_1, rows))
+        self.assign(v, v * tf.constant(self.beta_2, dtype))
+        self.assign_add(v, tf.IndexedSlices(tf.square(summed) * one_minus_2, rows))
 
 
 class DirectionBuffers:

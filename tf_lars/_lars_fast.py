@@ -38,6 +38,7 @@ on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the full tables.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
@@ -84,6 +85,48 @@ def squared_norm(tensor):
     return tf.reduce_sum(partial)
 
 
+def _needs_rescale(squares):
+    """Which squared norms lost range: overflowed to inf, or so small
+    (below the smallest normal float) that squares of entries underflowed."""
+    tiny = tf.constant(np.finfo(squares.dtype.as_numpy_dtype).tiny, squares.dtype)
+    return tf.logical_or(tf.logical_not(tf.math.is_finite(squares)), squares < tiny)
+
+
+def _rescaled_norm(tensor):
+    """`|x| = m * |x / m|` with `m = max |x_i|`: no square overflows or
+    underflows, so the norm is right wherever it is representable."""
+    peak = tf.reduce_max(tf.abs(tensor))
+    peak = tf.where(peak > 0, peak, tf.ones_like(peak))
+    return peak * tf.sqrt(squared_norm(tensor / peak))
+
+
+def norms(tensors):
+    """Euclidean norms of `tensors` (same float dtype) as one vector.
+
+    The fast path is `sqrt(squared_norm(x))`. A squared norm that is not
+    finite, or below the smallest normal float, is recomputed scaled by the
+    largest entry (`_rescaled_norm`), so entries of 1e19 or 1e-30 in
+    float32 give their true norm instead of inf or 0. The check is one
+    vector comparison; a `tf.cond` (XLA-compatible) runs the rescaling only
+    for the tensors that need it, and only when one does.
+    """
+    squares = tf.stack([squared_norm(tensor) for tensor in tensors])
+    bad = _needs_rescale(squares)
+
+    def rescale_bad():
+        fixed = [
+            tf.cond(
+                bad[k],
+                lambda tensor=tensor: _rescaled_norm(tensor),
+                lambda k=k: tf.sqrt(squares[k]),
+            )
+            for k, tensor in enumerate(tensors)
+        ]
+        return tf.stack(fixed)
+
+    return tf.cond(tf.reduce_any(bad), rescale_bad, lambda: tf.sqrt(squares))
+
+
 def compute_dtype(variable):
     """The dtype norms and ratios are computed in: float64 or float32."""
     return tf.float64 if variable.dtype == tf.float64 else tf.float32
@@ -116,17 +159,18 @@ def batched_trust_ratios(grads, variables, adapted, decays, decay_in_norm, ratio
         if adapted[position]:
             by_dtype.setdefault(dtype, []).append(position)
     for dtype, positions in by_dtype.items():
-        weight_squares, grad_squares = [], []
+        weights, grads_in_norm = [], []
         for p in positions:
             weight = tf.cast(variables[p], dtype)
             grad = tf.cast(grads[p], dtype)
             if decay_in_norm and decays[p] != 0.0:
                 grad = grad + tf.constant(decays[p], dtype) * weight
-            weight_squares.append(squared_norm(weight))
-            grad_squares.append(squared_norm(grad))
+            weights.append(weight)
+            grads_in_norm.append(grad)
+        both = norms(weights + grads_in_norm)
         vector = ratio(
-            tf.sqrt(tf.stack(weight_squares)),
-            tf.sqrt(tf.stack(grad_squares)),
+            both[: len(positions)],
+            both[len(positions) :],
             tf.constant([decays[p] for p in positions], dtype),
             dtype,
         )

@@ -8,6 +8,12 @@ import inspect
 import math
 import numbers
 
+#: The largest finite float32. Learning rates, decays and coefficients live
+#: in float32 variables or are cast to float32 in the step; a Python float
+#: beyond this is finite in Python but `inf` there, so it is refused as
+#: non-finite.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 def is_real(value):
     """A real number (Python or NumPy), not a bool."""
@@ -19,8 +25,17 @@ def is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_float32_range(name, value):
+    """Refuses a finite real that float32 holds as `inf` (|value| > FLOAT32_MAX)."""
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(
+            f"`{name}` must be at most {FLOAT32_MAX:.8g} in magnitude, the "
+            f"largest float32 (larger is inf there). Received: {name}={value!r}"
+        )
+
+
 def check_number(name, value, *, low=None, low_inclusive=True, high=None):
-    """A finite real in the given range, returned as a float."""
+    """A real finite in float32 and in the given range, returned as a float."""
     rule = []
     if low is not None:
         rule.append(f"{'>=' if low_inclusive else '>'} {low}")
@@ -31,6 +46,7 @@ def check_number(name, value, *, low=None, low_inclusive=True, high=None):
         raise ValueError(
             f"`{name}` must be a finite number {rule_text}. Received: {name}={value!r}"
         )
+    check_float32_range(name, value)
     too_low = low is not None and (value < low if low_inclusive else value <= low)
     too_high = high is not None and value >= high
     if too_low or too_high:
@@ -39,12 +55,32 @@ def check_number(name, value, *, low=None, low_inclusive=True, high=None):
 
 
 def check_positive(name, value):
-    """A finite real > 0, returned as a float."""
+    """A real > 0 and finite in float32, returned as a float."""
     if not is_real(value) or not (math.isfinite(value) and value > 0):
         raise ValueError(
             f"`{name}` must be a finite number > 0. Received: {name}={value!r}"
         )
+    check_float32_range(name, value)
     return float(value)
+
+
+def check_inner_learning_rate(inner_optimizer):
+    """Refuses a wrapped Keras optimizer whose learning rate is not finite.
+
+    Keras stores a float rate in a float32 variable without checking it, so
+    `Adam(learning_rate=1e300)` holds `inf`; wrapped, every step would be
+    NaN. Schedules and callables are left to their own checks.
+    """
+    rate = getattr(inner_optimizer, "_learning_rate", None)
+    if rate is None or callable(rate) or not hasattr(rate, "numpy"):
+        return
+    value = float(rate.numpy())
+    if not math.isfinite(value):
+        raise ValueError(
+            "`inner_optimizer.learning_rate` must be finite in float32 (at most "
+            f"{FLOAT32_MAX:.8g}). Received: inner_optimizer="
+            f"{type(inner_optimizer).__name__} with learning_rate={value!r}"
+        )
 
 
 def check_int(name, value, low):

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
+from tf_lars._validation import check_inner_learning_rate
 from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
 
 __all__ = ["AGN"]
@@ -231,6 +232,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 "`inner_optimizer` must not itself be an AGN optimizer. "
                 f"Received: inner_optimizer={inner_optimizer!r}"
             )
+        check_inner_learning_rate(inner_optimizer)
         if (
             isinstance(communication_period, bool)
             or not isinstance(communication_period, numbers.Integral)

@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
-from tf_lars._validation import check_int
+from tf_lars._validation import check_inner_learning_rate, check_int
 from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
 
 # The scale lives in a float32 variable. Doubling past the largest float32
@@ -53,6 +53,7 @@ def _check_inner_optimizer(inner_optimizer):
             "loss would be scaled twice. Received: "
             f"inner_optimizer={inner_optimizer!r}"
         )
+    check_inner_learning_rate(inner_optimizer)
 
 
 def _unscale(gradient, scale):

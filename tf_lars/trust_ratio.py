@@ -12,7 +12,12 @@ import tensorflow as tf
 
 from tf_lars import _lars_fast
 from tf_lars._exclusions import LayerwiseExclusions
-from tf_lars._validation import check_bool, check_config_keys, check_number
+from tf_lars._validation import (
+    check_bool,
+    check_config_keys,
+    check_inner_learning_rate,
+    check_number,
+)
 from tf_lars._wrapper import InnerOptimizerWrapper
 
 __all__ = ["TrustRatio"]
@@ -55,6 +60,20 @@ def _check_inner_optimizer(inner_optimizer):
                 "on the TrustRatio (its weight decay sits inside the ratio). "
                 f"Received: inner_optimizer.{argument}={value!r}"
             )
+    base = keras.optimizers.Optimizer
+    own_class = type(inner_optimizer)
+    if own_class.update_step is base.update_step or own_class.apply is not base.apply:
+        # The wrapper takes the step one variable at a time, through the
+        # inner optimizer's `update_step`; one that steps only in its own
+        # `apply` (MultiOptimizer hands variables to other optimizers) has
+        # no step to rescale.
+        raise ValueError(
+            "`inner_optimizer` must take its step in its own `update_step`, "
+            f"one variable at a time; {own_class.__name__} steps only in its "
+            "own `apply` and cannot be wrapped. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    check_inner_learning_rate(inner_optimizer)
     if getattr(inner_optimizer, "use_ema", False):
         raise ValueError(
             "`inner_optimizer.use_ema` must be False: set `use_ema` on the "
@@ -274,16 +293,29 @@ class TrustRatio(
 
     # ------------------------------------------------------- the update rule
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        super()._backend_update_step(grads, trainable_variables, learning_rate)
+        # The inner optimizer's own `_backend_update_step` runs the step, so
+        # the per-step state it advances there (Nadam's `_u_product`) moves
+        # as it would alone; for each variable it calls `update_step`, which
+        # is this wrapper's for the duration.
+        inner = self.inner_optimizer
+        inner.__dict__["update_step"] = self.update_step
+        try:
+            inner._backend_update_step(grads, trainable_variables, learning_rate)
+        finally:
+            inner.__dict__.pop("update_step", None)
         # The inner optimizer's own step count (Adam's bias correction).
-        self.inner_optimizer.iterations.assign_add(1)
+        inner.iterations.assign_add(1)
+
+    def _inner_update_step(self, gradient, variable, learning_rate):
+        """The inner optimizer's own `update_step` (its class's, never ours)."""
+        inner = self.inner_optimizer
+        type(inner).update_step(inner, gradient, variable, learning_rate)
 
     def update_step(self, gradient, variable, learning_rate):
         """Steps 1-5 for one variable (docs/algorithms.md)."""
-        inner = self.inner_optimizer
         if isinstance(gradient, tf.IndexedSlices):
             # Step 5: the inner optimizer's own sparse update, no ratio.
-            inner.update_step(gradient, variable, learning_rate)
+            self._inner_update_step(gradient, variable, learning_rate)
             return
         index = self._get_variable_index(variable)
         dtype = variable.dtype
@@ -312,7 +344,7 @@ class TrustRatio(
         over the variable.
         """
         with _captured_step(self.inner_optimizer, variable) as writes:
-            self.inner_optimizer.update_step(gradient, variable, learning_rate)
+            self._inner_update_step(gradient, variable, learning_rate)
         step = _step_of(writes, variable)
         if step is None:
             step = tf.zeros(variable.shape, variable.dtype)
@@ -335,8 +367,9 @@ class TrustRatio(
 
     def _ratio(self, variable, direction, scale, learning_rate):
         compute = _lars_fast.compute_dtype(variable)
-        w_norm = tf.sqrt(_lars_fast.squared_norm(tf.cast(variable, compute)))
-        direction_norm = tf.sqrt(_lars_fast.squared_norm(tf.cast(direction, compute)))
+        w_norm, direction_norm = tf.unstack(
+            _lars_fast.norms([tf.cast(variable, compute), tf.cast(direction, compute)])
+        )
         step_norm = tf.abs(tf.cast(scale, compute)) * direction_norm
         rate = tf.cast(learning_rate, compute)
         usable = tf.logical_and(w_norm > 0, tf.logical_and(step_norm > 0, rate > 0))
