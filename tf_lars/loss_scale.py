@@ -193,11 +193,12 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
             return
         # Creates `step_counter`, `dynamic_scale`, builds the inner optimizer.
         super().build(var_list)
+        _internals.finish_wrapper_build(self, var_list)
         self.skipped_step_counter = self.add_variable(
             shape=(),
             dtype="int",
             initializer="zeros",
-            aggregation="none",
+            aggregation=_internals.unaggregated(),
             name="skipped_step_counter",
         )
 
@@ -298,10 +299,10 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
 
     def _apply_unscaled(self, grads, trainable_variables):
         scale = tf.convert_to_tensor(self.dynamic_scale.value)
-        variables = trainable_variables or self._trainable_variables
+        variables = trainable_variables or _internals.trainable_variables_of(self)
         unscaled = [
             g
-            if g is None or self._overwrite_variable_with_gradient(v)
+            if g is None or _internals.overwrites_with_gradient(self, v)
             else _unscale(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
