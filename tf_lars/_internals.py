@@ -224,6 +224,7 @@ def strategy_supports_no_merge_call():
 
 # 3 ---------------------------------------------------------------------------
 
+
 def no_automatic_dependency_tracking(method):
     """Decorator: attributes set inside `method` are not tracked by Keras.
 

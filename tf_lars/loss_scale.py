@@ -221,6 +221,15 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         """A scalar bool tensor: every gradient (dense or sparse) is finite."""
         return all_finite(grads)
 
+    @property
+    def iterations(self):
+        """The inner optimizer's step count (the wrapper's own never moves).
+
+        Keras's `LossScaleOptimizer` reports the inner count in 3.11 (and
+        3.15); 3.5 to 3.8 report the wrapper's own, which stays 0 here.
+        """
+        return self.inner_optimizer.iterations
+
     # ---------------------------------------------------------------- apply
     def apply(self, grads, trainable_variables=None):
         """Unscales and applies `grads`, or skips the step if any is non-finite.
