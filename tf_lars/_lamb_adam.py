@@ -20,6 +20,8 @@ of `m` and `v` decays and the whole variable moves, as in Adam).
 import keras
 import tensorflow as tf
 
+from tf_lars import _internals
+
 
 class LambAdam(keras.optimizers.Adam):
     """`keras.optimizers.Adam` with epsilon added after the bias correction."""
@@ -37,9 +39,8 @@ class LambAdam(keras.optimizers.Adam):
         corrections are folded into scalars, one pass over `m` and `v`.
         """
         dtype = variable.dtype
-        index = self._get_variable_index(variable)
-        m = self._momentums[index]
-        v = self._velocities[index]
+        index = _internals.variable_index(self, variable)
+        m, v = _internals.adam_slots(self, index)
         beta_1 = tf.constant(self.beta_1, dtype)
         beta_2 = tf.constant(self.beta_2, dtype)
         if isinstance(gradient, tf.IndexedSlices):
@@ -73,13 +74,14 @@ class LambAdam(keras.optimizers.Adam):
         direction). The step is `direction_scale(...)` times the buffer.
         """
         dtype = variable.dtype
-        index = self._get_variable_index(variable)
+        index = _internals.variable_index(self, variable)
+        m, v = _internals.adam_slots(self, index)
         buffer.assign(start)
         zero = tf.zeros([], dtype)
         tf.raw_ops.ResourceApplyAdam(
             var=buffer.handle,
-            m=self._momentums[index].value.handle,
-            v=self._velocities[index].value.handle,
+            m=m.value.handle,
+            v=v.value.handle,
             beta1_power=zero,
             beta2_power=zero,
             lr=-tf.ones([], dtype),
