@@ -87,6 +87,7 @@ The accesses:
    and the TensorFlow backend's all-reduce; Keras exposes them only to its
    own subclasses.
 11. Release differences: `add_optimizer_variables` (Keras 3.11),
+   `backing_variable` (`keras.Variable` as the base class, Keras 3.8),
    `unaggregated()` (`aggregation="none"`, Keras 3.7), `finish_wrapper_build`
    (`LossScaleOptimizer.build` calls `super().build()` after 3.11).
 """
@@ -599,6 +600,19 @@ def unaggregated():
     """
     version = _major_minor(keras.__version__) or (99, 0)
     return "none" if version >= (3, 7) else "mean"
+
+
+def backing_variable(variable):
+    """The `tf.Variable` behind a Keras variable, as the strategy knows it.
+
+    In Keras 3.5 to 3.7 the variables layers create are not instances of
+    `keras.Variable` (an export-only subclass; 3.8 made it the base class),
+    so the test is "not a `tf.Variable`" (measured: LARS under
+    MirroredStrategy failed `distribution.extended.update`'s assertion).
+    """
+    if not isinstance(variable, tf.Variable):
+        return variable.value
+    return variable
 
 
 def finish_wrapper_build(optimizer, var_list):

@@ -73,6 +73,35 @@ def _unscale(gradient, scale):
     return tf.cast(unscaled, dtype)
 
 
+#: Keras base optimizer arguments and their defaults: old configs carry them.
+_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _pop_base_defaults(kwargs):
+    """Removes base arguments at their defaults; refuses any other value.
+
+    Keras 3.15's `LossScaleOptimizer` refuses them itself; Keras 3.5 to 3.11
+    accepted and silently ignored them, so the wrapper checks on every release.
+    """
+    for name, default in _BASE_DEFAULTS.items():
+        if name in kwargs and kwargs[name] != default:
+            raise ValueError(
+                f"LossScaleOptimizer does not support `{name}`; set it on "
+                f"`inner_optimizer`. Received: {name}={kwargs[name]!r}"
+            )
+        kwargs.pop(name, None)
+
+
 @keras.saving.register_keras_serializable(package="tf_lars")
 class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     """Scales the loss, unscales and checks the gradients, skips non-finite steps.
@@ -179,6 +208,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         _check_initial_scale(initial_scale)
         _check_dynamic(dynamic)
         check_int("dynamic_growth_steps", dynamic_growth_steps, 1)
+        _pop_base_defaults(kwargs)
         super().__init__(
             inner_optimizer,
             initial_scale=float(initial_scale),
