@@ -26,6 +26,12 @@ from tf_lars import _internals
 class LambAdam(keras.optimizers.Adam):
     """`keras.optimizers.Adam` with epsilon added after the bias correction."""
 
+    def __init__(self, *args, name=None, **kwargs):
+        # Keras 3.5 to 3.11's Adam defaults to name="adam", so two LAMBs' slot
+        # paths collide; None auto-names ("lamb_adam", "lamb_adam_1"), as
+        # Keras 3.15 does.
+        super().__init__(*args, name=name, **kwargs)
+
     def update_step(self, gradient, variable, learning_rate):
         scale, direction = self.direction(gradient, variable, learning_rate)
         self.assign_sub(variable, scale * direction)

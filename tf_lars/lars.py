@@ -301,9 +301,7 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
 
     # ---------------------------------------------------------- distribution
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        tf_variables = [
-            v.value if isinstance(v, keras.Variable) else v for v in trainable_variables
-        ]
+        tf_variables = [_internals.backing_variable(v) for v in trainable_variables]
         grads_and_vars = _internals.all_reduce_sum_gradients(
             self, list(zip(grads, tf_variables))
         )
