@@ -80,9 +80,19 @@ def nightly(session):
     # nightly packages do not provide under those names: install the rest
     # without resolving them, so that pip keeps the nightlies.
     session.install("--no-deps", ".")
-    session.install("numpy", "absl-py", "pyyaml", "matplotlib", "scikit-learn",
-                    "pydantic>=2.6,<3", "pytest>=8")
-    session.run("python", "-c",
-                "import tensorflow as tf, keras, tf_lars; "
-                "print('tensorflow', tf.__version__, 'keras', keras.__version__)")
+    session.install(
+        "numpy",
+        "absl-py",
+        "pyyaml",
+        "matplotlib",
+        "scikit-learn",
+        "pydantic>=2.6,<3",
+        "pytest>=8",
+    )
+    session.run(
+        "python",
+        "-c",
+        "import tensorflow as tf, keras, tf_lars; "
+        "print('tensorflow', tf.__version__, 'keras', keras.__version__)",
+    )
     _run_tests(session)
