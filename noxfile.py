@@ -19,7 +19,10 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["oldest", "newest"]
 
 #: The tests a matrix session runs by default: every optimizer, saved files
-#: across versions, and synchronous multi-worker training.
+#: across versions, and synchronous multi-worker training. Not the 0.1.0
+#: files: Keras 3.5 and 3.8 cannot read that `.keras` file's Dense config
+#: (written by Keras 3.15), and its checkpoint test holds stored numbers
+#: bit-exact (TF 2.16 differs by 1 ulp in 1 of 30).
 MATRIX_TESTS = [
     "tests/lars_test.py",
     "tests/lamb_test.py",
@@ -27,7 +30,6 @@ MATRIX_TESTS = [
     "tests/loss_scale_test.py",
     "tests/agn_test.py",
     "tests/internals_test.py",
-    "tests/saved_v0_1_0_test.py",
     "tests/saved_across_versions_test.py",
     "tests/distribute_multi_worker_test.py",
 ]
