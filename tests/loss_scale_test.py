@@ -455,9 +455,13 @@ def test_scale_stays_within_float32_normal_range():
 def test_overwrite_with_gradient_variable_is_not_unscaled():
     var = keras.Variable([1.0, 2.0])
     var.overwrite_with_gradient = True
+    # One ordinary variable beside it: Keras 3.5 and 3.6 raise "No gradients
+    # provided" when every variable is overwritten.
+    other = keras.Variable([1.0])
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=4.0)
-    optimizer.apply([tf.constant([7.0, 8.0])], [var])
+    optimizer.apply([tf.constant([7.0, 8.0]), tf.constant([8.0])], [var, other])
     np.testing.assert_array_equal(var.numpy(), [7.0, 8.0])
+    np.testing.assert_array_equal(other.numpy(), [0.0])
 
 
 def test_read_outs_before_and_after_build():

@@ -9,6 +9,8 @@ in `build()`, from the Keras variables: on the TensorFlow backend
 
 import re
 
+from tf_lars import _internals
+
 #: Entry for `exclude_from_weight_decay` / `exclude_from_layer_adaptation`
 #: that matches every variable of rank 0 or 1 (biases, normalization scales
 #: and offsets). It cannot collide with a real variable path.
@@ -124,9 +126,10 @@ class LayerwiseExclusions:
 
     def _resolve_exclusions(self, variables):
         """Per-variable decay and adaptation, and the `trust_ratios` record."""
+        _internals.check_hooks(self)
         self._variable_weight_decay = [
             self.weight_decay
-            if self._use_weight_decay(v)
+            if _internals.uses_weight_decay(self, v)
             and not matches(self._weight_decay_exclusions, v)
             else 0.0
             for v in variables

@@ -20,6 +20,8 @@ of `m` and `v` decays and the whole variable moves, as in Adam).
 import keras
 import tensorflow as tf
 
+from tf_lars import _internals
+
 
 def _scalar_dtype(dtype):
     """Bias corrections are computed in float32 (float64 for float64)."""
@@ -28,6 +30,12 @@ def _scalar_dtype(dtype):
 
 class LambAdam(keras.optimizers.Adam):
     """`keras.optimizers.Adam` with epsilon added after the bias correction."""
+
+    def __init__(self, *args, name=None, **kwargs):
+        # Keras 3.5 to 3.11's Adam defaults to name="adam", so two LAMBs' slot
+        # paths collide; None auto-names ("lamb_adam", "lamb_adam_1"), as
+        # Keras 3.15 does.
+        super().__init__(*args, name=name, **kwargs)
 
     def update_step(self, gradient, variable, learning_rate):
         scale, direction = self.direction(gradient, variable, learning_rate)
@@ -42,9 +50,8 @@ class LambAdam(keras.optimizers.Adam):
         corrections are folded into scalars, one pass over `m` and `v`.
         """
         dtype = variable.dtype
-        index = self._get_variable_index(variable)
-        m = self._momentums[index]
-        v = self._velocities[index]
+        index = _internals.variable_index(self, variable)
+        m, v = _internals.adam_slots(self, index)
         # `1 - beta` is rounded once from the Python float: bfloat16 holds
         # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
         one_minus_1 = tf.constant(1 - self.beta_1, dtype)
@@ -90,13 +97,14 @@ class LambAdam(keras.optimizers.Adam):
         direction). The step is `direction_scale(...)` times the buffer.
         """
         dtype = variable.dtype
-        index = self._get_variable_index(variable)
+        index = _internals.variable_index(self, variable)
+        m, v = _internals.adam_slots(self, index)
         buffer.assign(start)
         zero = tf.zeros([], dtype)
         tf.raw_ops.ResourceApplyAdam(
             var=buffer.handle,
-            m=self._momentums[index].value.handle,
-            v=self._velocities[index].value.handle,
+            m=m.value.handle,
+            v=v.value.handle,
             beta1_power=zero,
             beta2_power=zero,
             lr=-tf.ones([], dtype),

@@ -257,7 +257,7 @@ class CompiledApply:
         if trainable_variables is None:
             if not self.built:
                 return super().apply(grads, trainable_variables)
-            trainable_variables = self._trainable_variables
+            trainable_variables = _internals.trainable_variables_of(self)
         trainable_variables = list(trainable_variables)
         if not grads:
             return None
@@ -265,7 +265,7 @@ class CompiledApply:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        self._check_variables_are_known(trainable_variables)
+        _internals.check_variables_are_known(self, trainable_variables)
         key = tuple(id(v) for v in trainable_variables)
         compiled = self._compiled_apply.get(key)
         if compiled is None:
@@ -281,8 +281,9 @@ class CompiledApply:
     def _should_compile_apply(self):
         if not self.jit_compile or not tf.executing_eagerly():
             return False
-        if callable(self._learning_rate) and not isinstance(
-            self._learning_rate,
+        learning_rate = _internals.learning_rate_setting(self)
+        if callable(learning_rate) and not isinstance(
+            learning_rate,
             keras.Variable | keras.optimizers.schedules.LearningRateSchedule,
         ):
             return False

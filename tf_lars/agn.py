@@ -11,6 +11,7 @@ import numbers
 import keras
 import tensorflow as tf
 
+from tf_lars import _internals
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
 from tf_lars._validation import check_inner_learning_rate
@@ -358,7 +359,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         does not count). Parameter servers: local steps committed by all
         workers together (`communication_period` per commit).
         """
-        return self._iterations
+        return _internals.iterations_variable(self)
 
     @property
     def local_variables(self):

@@ -175,7 +175,9 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
         super().build(variables)
         self.momentums = []
         if self.momentum != 0:
-            self.momentums = self.add_optimizer_variables(variables, "momentum")
+            self.momentums = _internals.add_optimizer_variables(
+                self, variables, "momentum"
+            )
         self._resolve_exclusions(variables)
 
     def _apply_weight_decay(self, variables):
@@ -186,7 +188,7 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
     # ------------------------------------------------------- the update rule
     def _trust_ratios(self, grads, variables):
         """Step 2 for every dense gradient at once (`None` for sparse ones)."""
-        indices = [self._get_variable_index(v) for v in variables]
+        indices = [_internals.variable_index(self, v) for v in variables]
 
         def ratio(w_norm, g_norm, decays, dtype):
             # "paper": |g| + wd |w|; "decayed": |g'| (g' already in g_norm).
@@ -216,7 +218,7 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
 
     def _update(self, gradient, variable, learning_rate, ratio):
         """Steps 1, 3, 4 and 5 for one variable, given its trust ratio."""
-        index = self._get_variable_index(variable)
+        index = _internals.variable_index(self, variable)
         slot = self.momentums[index] if self.momentum != 0 else None
         dtype = variable.dtype
         if isinstance(gradient, tf.IndexedSlices):
@@ -280,10 +282,10 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
 
     # ---------------------------------------------------------- distribution
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        tf_variables = [
-            v.value if isinstance(v, keras.Variable) else v for v in trainable_variables
-        ]
-        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, tf_variables)))
+        tf_variables = [_internals.backing_variable(v) for v in trainable_variables]
+        grads_and_vars = _internals.all_reduce_sum_gradients(
+            self, list(zip(grads, tf_variables))
+        )
         grads = [g for g, _ in grads_and_vars]
         # Ratios in replica context, on the all-reduced gradients: every
         # replica gets the same ratios, each computed once per step.
@@ -300,11 +302,15 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
                 )
 
         _internals.maybe_merge_call(
-            update, self._distribution_strategy, grads_and_vars, ratios, learning_rate
+            update,
+            _internals.distribution_strategy(self),
+            grads_and_vars,
+            ratios,
+            learning_rate,
         )
 
     def _record_trust_ratios(self, variables, ratios):
-        positions = [[self._get_variable_index(v)] for v in variables]
+        positions = [[_internals.variable_index(self, v)] for v in variables]
         values = tf.stack(
             [tf.constant(1.0) if r is None else tf.cast(r, tf.float32) for r in ratios]
         )

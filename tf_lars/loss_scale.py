@@ -74,6 +74,35 @@ def _unscale(gradient, scale):
     return tf.cast(unscaled, dtype)
 
 
+#: Keras base optimizer arguments and their defaults: old configs carry them.
+_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _pop_base_defaults(kwargs):
+    """Removes base arguments at their defaults; refuses any other value.
+
+    Keras 3.15's `LossScaleOptimizer` refuses them itself; Keras 3.5 to 3.11
+    accepted and silently ignored them, so the wrapper checks on every release.
+    """
+    for name, default in _BASE_DEFAULTS.items():
+        if name in kwargs and kwargs[name] != default:
+            raise ValueError(
+                f"LossScaleOptimizer does not support `{name}`; set it on "
+                f"`inner_optimizer`. Received: {name}={kwargs[name]!r}"
+            )
+        kwargs.pop(name, None)
+
+
 @keras.saving.register_keras_serializable(package="tf_lars")
 class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     """Scales the loss, unscales and checks the gradients, skips non-finite steps.
@@ -173,6 +202,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         _check_initial_scale(initial_scale)
         _check_dynamic(dynamic)
         check_int("dynamic_growth_steps", dynamic_growth_steps, 1)
+        _pop_base_defaults(kwargs)
         super().__init__(
             inner_optimizer,
             initial_scale=float(initial_scale),
@@ -187,11 +217,12 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
             return
         # Creates `step_counter`, `dynamic_scale`, builds the inner optimizer.
         super().build(var_list)
+        _internals.finish_wrapper_build(self, var_list)
         self.skipped_step_counter = self.add_variable(
             shape=(),
             dtype="int",
             initializer="zeros",
-            aggregation="none",
+            aggregation=_internals.unaggregated(),
             name="skipped_step_counter",
         )
 
@@ -213,6 +244,15 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
     def check_finite(self, grads):
         """A scalar bool tensor: every gradient (dense or sparse) is finite."""
         return all_finite(grads)
+
+    @property
+    def iterations(self):
+        """The inner optimizer's step count (the wrapper's own never moves).
+
+        Keras's `LossScaleOptimizer` reports the inner count in 3.11 (and
+        3.15); 3.5 to 3.8 report the wrapper's own, which stays 0 here.
+        """
+        return self.inner_optimizer.iterations
 
     # ---------------------------------------------------------------- apply
     def apply(self, grads, trainable_variables=None):
@@ -292,10 +332,10 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
 
     def _apply_unscaled(self, grads, trainable_variables):
         scale = tf.convert_to_tensor(self.dynamic_scale.value)
-        variables = trainable_variables or self._trainable_variables
+        variables = trainable_variables or _internals.trainable_variables_of(self)
         unscaled = [
             g
-            if g is None or self._overwrite_variable_with_gradient(v)
+            if g is None or _internals.overwrites_with_gradient(self, v)
             else _unscale(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]

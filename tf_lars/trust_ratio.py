@@ -10,7 +10,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tf_lars import _lars_fast
+from tf_lars import _internals, _lars_fast
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
     check_bool,
@@ -317,7 +317,7 @@ class TrustRatio(
             # Step 5: the inner optimizer's own sparse update, no ratio.
             self._inner_update_step(gradient, variable, learning_rate)
             return
-        index = self._get_variable_index(variable)
+        index = _internals.variable_index(self, variable)
         dtype = variable.dtype
         # Steps 1 and 2: lr * u = scale * direction, weight decay included.
         scale, direction = self._inner_step(
