@@ -54,8 +54,23 @@ for requirement in sys.argv[1:]:
 """
 
 
+#: Tests whose premise a release does not share, per session, with why.
+#: TensorFlow 2.16's XLA CPU compiler keeps float16 intermediates in float32,
+#: so the 2**30 loss scale of this test overflows nothing there (measured:
+#: 0 skipped steps, training correct); the skip path under XLA with a sparse
+#: gradient is tested there by
+#: `test_mixed_float16_fit_non_finite_sparse_batches_are_skipped`.
+NOT_ON = {
+    "oldest": [
+        "tests/loss_scale_test.py::test_mixed_float16_fit_embedding_overflow_is_skipped"
+    ],
+}
+
+
 def _run_tests(session):
-    session.run("python", "-m", "pytest", "-q", *(session.posargs or MATRIX_TESTS))
+    deselect = [f"--deselect={test}" for test in NOT_ON.get(session.name, [])]
+    tests = session.posargs or [*MATRIX_TESTS, *deselect]
+    session.run("python", "-m", "pytest", "-q", *tests)
 
 
 def _pair_session(name, requirements):
