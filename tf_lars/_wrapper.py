@@ -3,6 +3,21 @@
 import keras
 import tensorflow as tf
 
+#: Keras base optimizer arguments and their defaults. Wrappers leave them to
+#: the inner optimizer; configs written by other tools carry them at these
+#: defaults, so only these values are accepted (and dropped) on a wrapper.
+BASE_ARGUMENT_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
 
 def all_finite(gradients):
     """A scalar bool tensor: every entry of every gradient is finite.

@@ -15,24 +15,17 @@ from tf_lars import _internals
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
 from tf_lars._validation import check_inner_learning_rate
-from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
+from tf_lars._wrapper import (
+    BASE_ARGUMENT_DEFAULTS,
+    InnerOptimizerWrapper,
+    all_finite,
+    gradient_as_tensor,
+)
 
 __all__ = ["AGN"]
 
-# Base-optimizer arguments that belong on the inner optimizer. Only their
-# defaults are accepted, so that configs written by other tools still load.
-_BASE_DEFAULTS = {
-    "learning_rate": None,
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
+# The inner optimizer owns the learning rate too (None or 0.0 accepted).
+_BASE_DEFAULTS = {"learning_rate": None, **BASE_ARGUMENT_DEFAULTS}
 
 
 def is_loss_scale_optimizer(optimizer):

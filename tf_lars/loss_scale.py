@@ -9,7 +9,12 @@ import tensorflow as tf
 
 from tf_lars import _internals
 from tf_lars._validation import check_inner_learning_rate, check_int
-from tf_lars._wrapper import InnerOptimizerWrapper, all_finite, gradient_as_tensor
+from tf_lars._wrapper import (
+    BASE_ARGUMENT_DEFAULTS,
+    InnerOptimizerWrapper,
+    all_finite,
+    gradient_as_tensor,
+)
 
 # The scale lives in a float32 variable. Doubling past the largest float32
 # would make it inf (every later step non-finite, the scale stuck at inf) and
@@ -74,27 +79,13 @@ def _unscale(gradient, scale):
     return tf.cast(unscaled, dtype)
 
 
-#: Keras base optimizer arguments and their defaults: old configs carry them.
-_BASE_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-
 def _pop_base_defaults(kwargs):
     """Removes base arguments at their defaults; refuses any other value.
 
     Keras 3.15's `LossScaleOptimizer` refuses them itself; Keras 3.5 to 3.11
     accepted and silently ignored them, so the wrapper checks on every release.
     """
-    for name, default in _BASE_DEFAULTS.items():
+    for name, default in BASE_ARGUMENT_DEFAULTS.items():
         if name in kwargs and kwargs[name] != default:
             raise ValueError(
                 f"LossScaleOptimizer does not support `{name}`; set it on "
