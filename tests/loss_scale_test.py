@@ -614,14 +614,12 @@ def test_mixed_float16_fit_with_lars(mixed_float16):
         )
 
 
-def test_mixed_float16_fit_non_finite_sparse_batches_are_skipped(mixed_float16):
-    # Every release: the first batch of each epoch has a target near the
-    # float32 maximum, so its gradient is inf in float32 already (not only
-    # where float16 overflows, which depends on how XLA keeps float16
-    # intermediates: TensorFlow 2.16's CPU compiler computes them in float32,
-    # so the 2**30 scale of the test below overflows nothing there). Exactly
-    # those 3 steps are skipped inside the XLA-compiled train step, with a
-    # sparse embedding gradient, and the other 21 train.
+def _fit_embedding_model(targets_of, initial_scale):
+    """3 epochs of `fit` (XLA) of an embedding model in the loss-scale wrapper.
+
+    Returns the history, the optimizer, the model and the types of the
+    gradients its finite check saw.
+    """
     seen_gradient_types = set()
 
     class Spy(LossScaleOptimizer):
@@ -631,8 +629,7 @@ def test_mixed_float16_fit_non_finite_sparse_batches_are_skipped(mixed_float16):
 
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 50, size=(128, 4))
-    targets = (tokens.mean(axis=1, keepdims=True) / 50).astype(np.float32)
-    targets[3] = 3e38
+    targets = targets_of(tokens)
     model = keras.Sequential(
         [
             keras.Input((4,), dtype="int32"),
@@ -643,7 +640,7 @@ def test_mixed_float16_fit_non_finite_sparse_batches_are_skipped(mixed_float16):
     )
     optimizer = Spy(
         keras.optimizers.SGD(0.5, momentum=0.5),
-        initial_scale=2.0**10,
+        initial_scale=initial_scale,
         dynamic_growth_steps=10**6,
     )
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
@@ -655,6 +652,30 @@ def test_mixed_float16_fit_non_finite_sparse_batches_are_skipped(mixed_float16):
         shuffle=False,
         verbose=0,
         callbacks=[tf_lars.callbacks.LossScaleMonitor()],
+    )
+    return history, optimizer, model, seen_gradient_types
+
+
+def _mean_token_targets(tokens):
+    return (tokens.mean(axis=1, keepdims=True) / 50).astype(np.float32)
+
+
+def _with_huge_target(tokens):
+    targets = _mean_token_targets(tokens)
+    targets[3] = 3e38
+    return targets
+
+
+def test_mixed_float16_fit_non_finite_sparse_batches_are_skipped(mixed_float16):
+    # Every release: the first batch of each epoch has a target near the
+    # float32 maximum, so its gradient is inf in float32 already (not only
+    # where float16 overflows, which depends on how XLA keeps float16
+    # intermediates: TensorFlow 2.16's CPU compiler computes them in float32,
+    # so the 2**30 scale of the test below overflows nothing there). Exactly
+    # those 3 steps are skipped inside the XLA-compiled train step, with a
+    # sparse embedding gradient, and the other 21 train.
+    history, optimizer, model, seen_gradient_types = _fit_embedding_model(
+        _with_huge_target, initial_scale=2.0**10
     )
     assert "IndexedSlices" in seen_gradient_types
     assert history.history["skipped_steps"] == [1, 2, 3]
@@ -670,38 +691,8 @@ def test_mixed_float16_fit_embedding_overflow_is_skipped(mixed_float16):
     # A too-large initial scale overflows float16 in the backward pass: the
     # wrapper must skip those steps (inside the XLA-compiled train step),
     # halve the scale, then train. The embedding's gradient is sparse.
-    seen_gradient_types = set()
-
-    class Spy(LossScaleOptimizer):
-        def check_finite(self, grads):
-            seen_gradient_types.update(type(g).__name__ for g in grads)
-            return super().check_finite(grads)
-
-    rng = np.random.default_rng(5)
-    tokens = rng.integers(0, 50, size=(128, 4))
-    targets = (tokens.mean(axis=1, keepdims=True) / 50).astype(np.float32)
-    model = keras.Sequential(
-        [
-            keras.Input((4,), dtype="int32"),
-            keras.layers.Embedding(50, 8),
-            keras.layers.GlobalAveragePooling1D(),
-            keras.layers.Dense(1, dtype="float32"),
-        ]
-    )
-    optimizer = Spy(
-        keras.optimizers.SGD(0.5, momentum=0.5),
-        initial_scale=2.0**30,
-        dynamic_growth_steps=10**6,
-    )
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
-    history = model.fit(
-        tokens,
-        targets,
-        batch_size=16,
-        epochs=3,
-        shuffle=False,
-        verbose=0,
-        callbacks=[tf_lars.callbacks.LossScaleMonitor()],
+    history, optimizer, model, seen_gradient_types = _fit_embedding_model(
+        _mean_token_targets, initial_scale=2.0**30
     )
     assert "IndexedSlices" in seen_gradient_types
     skipped = history.history["skipped_steps"]
