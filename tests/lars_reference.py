@@ -100,3 +100,22 @@ def extreme_values(scale, seed=0):
     small = sign(4) * rng.uniform(0.5, 1.0, 4) * scale / 2
     large = sign((64, 128)) * rng.uniform(0.5, 1.0, (64, 128)) * scale / 128
     return [small.astype("float32"), large.astype("float32")]
+
+
+def apply_once(optimizer, weights, grads, compiled):
+    """One `apply` of `grads` to new variables holding `weights`; returns them.
+
+    `compiled="jit"` runs it in `tf.function(jit_compile=True)`; otherwise
+    op by op (the optimizer's compiled eager apply switched off).
+    """
+    import keras
+    import tensorflow as tf
+
+    variables = [keras.Variable(w) for w in weights]
+    optimizer.jit_compile = False
+    optimizer.build(variables)
+    apply = lambda gradients: optimizer.apply(gradients, variables)  # noqa: E731
+    if compiled == "jit":
+        apply = tf.function(apply, jit_compile=True)
+    apply([tf.constant(g) for g in grads])
+    return variables

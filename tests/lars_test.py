@@ -878,14 +878,8 @@ def test_extreme_magnitudes_give_finite_reference_steps(scale, mode, compiled):
         options.update(trust_ratio=mode)
     weights = ref.extreme_values(scale)
     grads = ref.extreme_values(scale, seed=1)
-    variables = [keras.Variable(w) for w in weights]
     optimizer = tf_lars.LARS(learning_rate=0.1, **options)
-    optimizer.jit_compile = False  # "eager": op by op
-    optimizer.build(variables)
-    apply = lambda gradients: optimizer.apply(gradients, variables)  # noqa: E731
-    if compiled == "jit":
-        apply = tf.function(apply, jit_compile=True)
-    apply([tf.constant(g) for g in grads])
+    variables = ref.apply_once(optimizer, weights, grads, compiled)
     for k, (variable, w, g) in enumerate(zip(variables, weights, grads, strict=True)):
         want, _, ratio = ref.dense_step(w, g, np.zeros_like(w), 0.1, **options)
         got = variable.numpy()

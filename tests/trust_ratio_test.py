@@ -532,13 +532,7 @@ def test_extreme_magnitudes_give_finite_reference_steps(scale, which, compiled):
         optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
         want = ref.optax_lamb(weights, [grads], 0.1, weight_decay=0.01)
         ratios = None
-    variables = [keras.Variable(w) for w in weights]
-    optimizer.jit_compile = False  # "eager": op by op
-    optimizer.build(variables)
-    apply = lambda gradients: optimizer.apply(gradients, variables)  # noqa: E731
-    if compiled == "jit":
-        apply = tf.function(apply, jit_compile=True)
-    apply([tf.constant(g) for g in grads])
+    variables = lars_ref.apply_once(optimizer, weights, grads, compiled)
     for variable, expected in zip(variables, want, strict=True):
         assert np.all(np.isfinite(variable.numpy()))
         np.testing.assert_allclose(variable.numpy(), expected, rtol=2e-5)
