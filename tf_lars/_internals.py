@@ -101,8 +101,6 @@ import os
 import keras
 import tensorflow as tf
 
-from tf_lars import _compat
-
 #: The range tf_lars supports, as (floor, newest tested) `major.minor` pairs.
 #: Below the floor `import tf_lars` refuses; above the newest tested release
 #: it imports and runs, and each private access below checks itself where it
@@ -447,9 +445,10 @@ def build_from_local_batch(model):
 
     def local_symbolic_build(iterator=None, data_batch=None):
         if iterator is not None:
-            batches = _compat.first_batch_iterator(iterator)
-            if batches is not None:
+            # Keras's epoch iterator yields (begin, end, tf iterator).
+            for _, _, batches in iterator:
                 data_batch = next(batches)
+                break
         if data_batch is not None:
             data_batch = tf.nest.map_structure(first_local, data_batch)
         with strategy.scope():
