@@ -4,7 +4,7 @@ Each session builds a virtual environment with the pair pinned, installs
 tf_lars into it the way a user would (`pip install ".[test]"`), checks that
 the install kept the pinned TensorFlow and Keras, and runs the tests.
 
-    nox -s oldest                   # TF 2.16 + Keras 3.5 (numpy<2), in .ci/run
+    nox -s oldest                   # TF 2.16 + Keras 3.8 (numpy<2)
     nox -s newest                   # TF 2.21 + Keras 3.15
     nox -s nightly                  # tf-nightly + keras-nightly (not a CI gate)
     nox -s oldest -- tests/lars_test.py -x   # other pytest arguments
@@ -36,8 +36,8 @@ MATRIX_TESTS = [
 
 #: session name -> (TensorFlow and Keras requirements, installed first).
 PAIRS = {
-    "oldest": ["tensorflow==2.16.2", "keras==3.5.0", "numpy<2"],
-    "tf218_keras36": ["tensorflow==2.18.1", "keras==3.6.0"],
+    "oldest": ["tensorflow==2.16.2", "keras==3.8.0", "numpy<2"],
+    "tf218_keras38": ["tensorflow==2.18.1", "keras==3.8.0"],
     "tf220_keras311": ["tensorflow==2.20.0", "keras==3.11.3"],
     "newest": ["tensorflow==2.21.0", "keras==3.15.1"],
 }
@@ -105,7 +105,6 @@ def nightly(session):
         "scikit-learn",
         "pydantic>=2.6,<3",
         "pytest>=8",
-        "pytest-xdist>=3.5",
     )
     session.run(
         "python",

@@ -37,7 +37,7 @@ def test_installed_versions_are_supported():
 @pytest.mark.parametrize(
     "installed",
     [
-        {"tensorflow": "2.16.2", "keras": "3.5.0"},
+        {"tensorflow": "2.16.2", "keras": "3.8.0"},
         {"tensorflow": "2.22.0", "keras": "3.15.1"},
         {"tensorflow": "2.21.0", "keras": "3.16.0.dev2026102704"},
         {"tensorflow": "2.23.0-dev20261120", "keras": "4.0.0"},
@@ -54,7 +54,7 @@ def test_floor_and_newer_versions_import(installed):
     "installed, below",
     [
         ({"tensorflow": "2.15.1", "keras": "3.15.1"}, "tensorflow"),
-        ({"tensorflow": "2.21.0", "keras": "3.4.1"}, "keras"),
+        ({"tensorflow": "2.21.0", "keras": "3.7.0"}, "keras"),
         ({"tensorflow": "2.15.0", "keras": "2.15.0"}, "tensorflow/keras"),
     ],
 )
@@ -66,7 +66,7 @@ def test_versions_below_the_floor_raise_one_clear_error(installed, below):
     assert f"tensorflow {installed['tensorflow']}" in message
     assert f"keras {installed['keras']}" in message
     assert "tensorflow>=2.16 (tested through 2.21)" in message
-    assert "keras>=3.5 (tested through 3.15)" in message
+    assert "keras>=3.8 (tested through 3.15)" in message
     assert "\n" not in message
 
 
