@@ -83,23 +83,6 @@ x = rng.normal(size=(GLOBAL_BATCH * STEPS, 6)).astype("float32")
 y = (x @ rng.normal(size=(6, 1))).astype("float32")
 
 
-#: Keras 3.8 (keras-team/keras#20609) made `fit` divide each replica's loss by
-#: the number of replicas, so that the all-reduced sum of gradients is the
-#: whole batch's mean gradient. Keras 3.5 to 3.7 do not, for every optimizer
-#: (Keras's SGD too): `fit` on two replicas steps with twice the gradient, and
-#: LARS's unadapted biases at learning rate 0.5 diverge (measured on 3.6: loss
-#: 773 -> 5e13 in 4 epochs). Here the loss does that division itself there,
-#: as a user of those releases must.
-KERAS = tuple(int(part) for part in keras.__version__.split(".")[:2])
-
-
-def fit_loss(y_true, y_pred):
-    loss = keras.losses.mean_squared_error(y_true, y_pred)
-    if KERAS >= (3, 8):
-        return loss
-    return loss / tf.distribute.get_strategy().num_replicas_in_sync
-
-
 def loss_fn(model, xb, yb):
     per_example = tf.reduce_sum(tf.square(model(xb) - yb), axis=1)
     return tf.reduce_sum(per_example) / GLOBAL_BATCH
@@ -158,7 +141,7 @@ def check(make_optimizer, kernel_ratio_ok):
     # model.fit under the strategy trains and keeps replicas identical.
     with strategy.scope():
         fit_model = make_model()
-        fit_model.compile(optimizer=make_optimizer(), loss=fit_loss)
+        fit_model.compile(optimizer=make_optimizer(), loss="mse")
     history = fit_model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0], history.history
     kernel = fit_model.trainable_variables[0].value

@@ -1,8 +1,7 @@
 """Saved files move across the supported TensorFlow / Keras range.
 
-tests/data/make_across_versions.py wrote, with the oldest supported pair
-(TensorFlow 2.16 + Keras 3.5), with 2.16 + 3.8 and with the newest (2.21 +
-3.15), a
+tests/data/make_across_versions.py wrote, once with the oldest supported
+pair (TensorFlow 2.16 + Keras 3.8) and once with the newest (2.21 + 3.15), a
 `.keras` file (LARS with a schedule inside the loss-scale wrapper, after one
 epoch of `fit`) and a `tf.train.Checkpoint` (LAMB in a custom loop), plus
 every model and optimizer value at the save and the weights the writer
@@ -33,7 +32,7 @@ import tf_lars
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 #: The pairs that wrote files (tag: TensorFlow and Keras major.minor), with
 #: the Keras release that wrote them.
-WRITERS = {"tf216_keras35": (3, 5), "tf216_keras38": (3, 8), "tf221_keras315": (3, 15)}
+WRITERS = {"tf216_keras38": (3, 8), "tf221_keras315": (3, 15)}
 KERAS = tuple(int(part) for part in keras.__version__.split(".")[:2])
 #: A `.keras` file loads in its own Keras or a newer one: Keras 3.5 cannot
 #: read the Dense layers Keras 3.15 writes ("Unrecognized keyword arguments
