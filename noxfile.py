@@ -105,6 +105,7 @@ def nightly(session):
         "scikit-learn",
         "pydantic>=2.6,<3",
         "pytest>=8",
+        "pytest-xdist>=3.5",
     )
     session.run(
         "python",

@@ -105,9 +105,10 @@ import tensorflow as tf
 #: Below the floor `import tf_lars` refuses; above the newest tested release
 #: it imports and runs, and each private access below checks itself where it
 #: is used.
-#: Keras 3.5 to 3.7 are out: LARS in `model.fit` under MirroredStrategy
-#: diverges there (measured with tests/mirrored_script.py on TensorFlow 2.18:
-#: loss 159 -> 1.1e13 in 4 epochs on 3.7; 3.8 passes).
+#: Keras 3.5 to 3.7 are out: their `model.fit` on several replicas does not
+#: divide the loss by the number of replicas (Keras 3.8 does), so LARS's
+#: unadapted biases step with twice the gradient and diverge (measured with
+#: tests/mirrored_script.py; docs/guides/versions.md).
 SUPPORTED = {"tensorflow": ((2, 16), (2, 21)), "keras": ((3, 8), (3, 15))}
 
 
