@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import keras
+import pytest
 
 BACKEND = keras.backend.backend()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -90,3 +91,29 @@ def test_tensorflow_loads_only_where_keras_runs_on_it():
         "KERAS_BACKEND=tensorflow to use it."
         for name in ("tf_lars.AGN", "tf_lars.distribute")
     ]
+
+
+def test_the_version_guard_checks_tensorflow_only_on_its_backend():
+    from tf_lars import _internals
+
+    expected = {"keras": keras.__version__}
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        expected = {"tensorflow": tf.__version__, **expected}
+    assert _internals._installed() == expected
+    assert _internals.installed_versions() == ", ".join(
+        f"{name} {version}" for name, version in expected.items()
+    )
+    # Without TensorFlow in the picture only the Keras floor applies.
+    (floor_major, floor_minor), (top_major, top_minor) = _internals.SUPPORTED["keras"]
+    _internals.check_versions({"keras": f"{floor_major}.{floor_minor}.0"})
+    below = f"{floor_major}.{floor_minor - 1}.0"
+    with pytest.raises(_internals.UnsupportedVersionError) as error:
+        _internals.check_versions({"keras": below})
+    assert str(error.value) == (
+        f"tf_lars keras version too old: installed keras {below}; tf_lars "
+        f"supports keras>={floor_major}.{floor_minor} (tested through "
+        f"{top_major}.{top_minor}). Upgrade, or set TF_LARS_SKIP_VERSION_CHECK=1 "
+        "to try at your own risk."
+    )
