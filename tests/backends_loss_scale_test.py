@@ -163,7 +163,17 @@ def test_fit_applies_finite_batches_and_skips_a_non_finite_one(jit_compile):
     x = rng.normal(size=(12, 3)).astype("float32")
     y = rng.normal(size=(12, 2)).astype("float32")
     x[9, 1] = np.inf  # the third batch of four: a non-finite loss
-    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tf_lars.callbacks.LossScaleMonitor()],
+    )
+    assert history.history["loss_scale"] == [2.0**9]
+    assert history.history["skipped_steps"] == [1]
     # NumPy: momentum SGD on the mean squared error over the first two
     # batches; the third is skipped.
     velocity = [np.zeros_like(kernel), np.zeros_like(bias)]
