@@ -107,15 +107,6 @@ def _error(command, message):
     return EXIT_USAGE
 
 
-def _quiet_python_logs():
-    import logging
-
-    import absl.logging
-
-    absl.logging.set_verbosity(absl.logging.ERROR)
-    logging.getLogger("tensorflow").setLevel(logging.ERROR)
-
-
 def _bench(argv, tf_log):
     try:
         from tf_lars.cli import bench
@@ -195,7 +186,9 @@ def _run(arguments):
         from tf_lars.cli import import_tensorflow
 
         import_tensorflow()
-        _quiet_python_logs()
+        from tf_lars.distribute.logs import quiet_python_logs
+
+        quiet_python_logs()
         command = importlib.import_module(f"tf_lars.cli.{arguments.command}")
         return command.run(config, data, folder, arguments.overwrite)
     except (ConfigError, DataError, TFConfigError) as error:

@@ -12,12 +12,11 @@ networks; `tf_lars.distribute.launch` runs local clusters in a private
 network namespace where it can.
 """
 
-import logging
 import os
 import socket
-import sys
 
 from tf_lars.distribute import tf_config as tf_config_lib
+from tf_lars.distribute.logs import log_tensorflow_records_once
 
 # Worker closures block on parameter-server reads while the servers run other
 # closures' ops; TensorFlow's default pool (one thread per core) starves on
@@ -38,37 +37,6 @@ def _server_config(inter_op_threads):
     config = tf.compat.v1.ConfigProto()
     config.inter_op_parallelism_threads = inter_op_threads
     return config
-
-
-def log_tensorflow_records_once():
-    """Stops TensorFlow's Python log records from being printed twice.
-
-    TensorFlow gives its logger a handler of its own only when the root
-    logger has none, so that each record is printed once. absl configures the
-    root logger later, on the first absl log call (connecting to a cluster
-    makes one), and from then on every `ERROR:tensorflow:...` record is
-    printed by both. This removes TensorFlow's own stream handler once the
-    root logger has a handler, restoring TensorFlow's rule; records still
-    reach the root logger's handlers, in the same `LEVEL:logger:message`
-    form. Handlers a program added to the `tensorflow` logger itself (other
-    than a plain stream to stdout/stderr) are kept.
-
-    Example:
-
-    ```python
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    log_tensorflow_records_once()
-    ```
-    """
-    logger = logging.getLogger("tensorflow")
-    if not logger.propagate or not logging.getLogger().handlers:
-        return
-    for handler in list(logger.handlers):
-        if type(handler) is logging.StreamHandler and handler.stream in (
-            sys.stderr,
-            sys.stdout,
-        ):
-            logger.removeHandler(handler)
 
 
 def cluster_spec(config):

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_lars import _internals
 from tf_lars.distribute import tf_config as tf_config_lib
+from tf_lars.distribute.logs import log_tensorflow_records_once
 
 
 def _with_leading_axis(value):
@@ -236,8 +237,6 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
         cluster_resolver=resolver, communication_options=options
     )
     # TensorFlow's Python log records would otherwise print twice from here.
-    from tf_lars.distribute.cluster import log_tensorflow_records_once
-
     log_tensorflow_records_once()
 
     # Every worker has joined once one all-reduce has gone through (inside a

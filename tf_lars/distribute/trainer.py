@@ -9,7 +9,6 @@ The AGN itself keeps the checkpointed center side; the trainer wraps it in a
 """
 
 import contextlib
-import logging
 import os
 import re
 import socket
@@ -20,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
-from tf_lars.distribute.cluster import log_tensorflow_records_once
+from tf_lars.distribute.logs import log_tensorflow_records_once, relay_worker_events
 from tf_lars.distribute.ps_agn import ParameterServerAGN, check_strategy_and_agn
 from tf_lars.distribute.tf_config import split_address
 
@@ -63,14 +62,8 @@ class ParameterServerFailure(RuntimeError):
 # recognized by the error's type (its status code), as TensorFlow's own
 # coordinator does; only the message says *which* task was lost: the task name
 # when the error was raised by the remote task, else the address it could not
-# reach. The same holds for the coordinator's worker events, which are only
-# log records (the coordinator reschedules a failed worker's closures itself
-# and tells the caller nothing else).
+# reach (read from TensorFlow 2.21).
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
-_WORKER_EVENT = re.compile(
-    r"Worker (/job:worker/replica:\d+/task:\d+) "
-    r"(?:failed with (\w+)|has been (recovered))"
-)
 
 
 def _error_chain(error):
@@ -139,57 +132,6 @@ def _unreachable_ps_task(cluster, timeout=2.0):
         except OSError:
             return f"/job:ps/replica:0/task:{index}", address
     return None
-
-
-class _WorkerEvents(logging.Filter):
-    """Relays the coordinator's worker failure and recovery log records.
-
-    Installed as a filter on TensorFlow's logger: it sees every record first,
-    reports the ones about workers, and drops the INFO records that the
-    logger's previous level would have dropped anyway.
-    """
-
-    def __init__(self, log, previous_level):
-        super().__init__()
-        self._log = log
-        self._previous_level = previous_level
-        self._reported = set()
-
-    def filter(self, record):
-        try:
-            match = _WORKER_EVENT.search(record.getMessage())
-        except Exception:  # noqa: BLE001 - a logging filter must not raise
-            return True
-        if match:
-            worker, error_name, recovered = match.groups()
-            # The coordinator logs each event from more than one place.
-            key = (worker, bool(recovered), int(record.created))
-            if key not in self._reported:
-                self._reported.add(key)
-                if recovered:
-                    self._log(f"[agn] worker {worker} recovered and rejoined")
-                else:
-                    self._log(
-                        f"[agn] worker {worker} failed ({error_name}); "
-                        "its round is rescheduled, the other workers go on"
-                    )
-        return record.levelno >= self._previous_level
-
-
-@contextlib.contextmanager
-def _relay_worker_events(log):
-    logger = tf.get_logger()
-    own_level = logger.level
-    previous_level = logger.getEffectiveLevel()
-    events = _WorkerEvents(log, previous_level)
-    logger.addFilter(events)
-    # "has been recovered" is an INFO record; it must be created to be seen.
-    logger.setLevel(min(previous_level, logging.INFO))
-    try:
-        yield
-    finally:
-        logger.removeFilter(events)
-        logger.setLevel(own_level)
 
 
 class ParameterServerTrainer:
@@ -473,7 +415,7 @@ class ParameterServerTrainer:
             f"period {period}, {self.num_workers} workers); "
             f"starting at commit {commits}"
         )
-        with _relay_worker_events(self._log), self._ps_failures():
+        with relay_worker_events(self._log), self._ps_failures():
             while commits < target:
                 count = min(self.checkpoint_every, target - commits)
                 results = [
