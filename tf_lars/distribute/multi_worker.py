@@ -2,7 +2,7 @@
 
 - `enable_multi_worker_fit(model)`: makes `model.fit` / `evaluate` work
   under MWMS on Keras 3.15 (the workaround for two upstream failures; see
-  the README, "Synchronous multi-worker training").
+  docs/guides/multi-worker.md, "The Keras workaround and when to remove it").
 - `multi_worker_strategy(config=None)`: validates `TF_CONFIG` for the
   synchronous mode (workers only, optionally one chief; no `ps`) before any
   server starts, then creates the strategy.
@@ -238,9 +238,17 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
     )
     # TensorFlow's Python log records would otherwise print twice from here.
     log_tensorflow_records_once()
+    _join(strategy, started)
+    return strategy
 
-    # Every worker has joined once one all-reduce has gone through (inside a
-    # tf.function: eagerly, the strategy warns about eager collectives).
+
+def _join(strategy, started):
+    """Returns once every worker has joined; tells the watchdog, if any.
+
+    One all-reduce across the cluster shows it, run inside a `tf.function`
+    (eagerly, the strategy warns about eager collectives).
+    """
+
     @tf.function
     def join():
         return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), None)
@@ -249,7 +257,6 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
     if started is not None:
         os.write(started, b"1")
         os.close(started)
-    return strategy
 
 
 # ---------------------------------------------------------- backup and restore

@@ -212,10 +212,10 @@ class ParameterServerTrainer:
             raise ValueError(
                 f"`dataset_fn` must be callable. Received: dataset_fn={dataset_fn!r}"
             )
-        for name, value in (
-            ("checkpoint_every", checkpoint_every),
-            ("max_to_keep", max_to_keep),
-        ):
+        for name, value in {
+            "checkpoint_every": checkpoint_every,
+            "max_to_keep": max_to_keep,
+        }.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"`{name}` must be an int >= 1. Received: {name}={value!r}"
@@ -248,17 +248,18 @@ class ParameterServerTrainer:
             self.manager = tf.train.CheckpointManager(
                 self.checkpoint, checkpoint_dir, max_to_keep=max_to_keep
             )
-            if self.manager.latest_checkpoint:
-                with self._ps_failures():
-                    self.checkpoint.restore(
-                        self.manager.latest_checkpoint
-                    ).assert_existing_objects_matched()
-                    self.restored_commits = int(optimizer.commits.numpy())
-                self._log(
-                    f"[agn] restored {self.manager.latest_checkpoint} "
-                    f"(commit {self.restored_commits})"
-                )
+            self._restore()
         self._round = self._trace_round()
+
+    def _restore(self):
+        """Restores the latest checkpoint, if any."""
+        latest = self.manager.latest_checkpoint
+        if not latest:
+            return
+        with self._ps_failures():
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            self.restored_commits = int(self.optimizer.commits.numpy())
+        self._log(f"[agn] restored {latest} (commit {self.restored_commits})")
 
     # ------------------------------------------------------------- the round
     def _round_dataset(self, input_context):
@@ -277,14 +278,7 @@ class ParameterServerTrainer:
             num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
         )
 
-        element_spec = self._round_dataset(input_context).element_spec
-        for spec in tf.nest.flatten(element_spec):
-            if spec.shape.rank is None or spec.shape.rank < 2 or spec.shape[1] is None:
-                raise ValueError(
-                    "`dataset_fn` must yield batches of a fixed size (use "
-                    "`dataset.batch(batch_size, drop_remainder=True)`). "
-                    f"Received element_spec={element_spec}"
-                )
+        element_spec = _fixed_batches(self._round_dataset(input_context).element_spec)
 
         def local_round(xs, ys, non_trainable_values):
             total = tf.constant(0.0, tf.float32)
@@ -376,40 +370,12 @@ class ParameterServerTrainer:
         Raises:
             ParameterServerFailure: a parameter server became unavailable.
         """
+        target = self._target_commits(steps_per_worker, rounds)
         period = self.optimizer.communication_period
-        if (steps_per_worker is None) == (rounds is None):
-            raise ValueError(
-                "Pass exactly one of `steps_per_worker` and `rounds`. Received: "
-                f"steps_per_worker={steps_per_worker!r}, rounds={rounds!r}"
-            )
-        if steps_per_worker is not None:
-            if (
-                isinstance(steps_per_worker, bool)
-                or not isinstance(steps_per_worker, int)
-                or steps_per_worker < period
-                or steps_per_worker % period
-            ):
-                raise ValueError(
-                    "`steps_per_worker` must be a positive multiple of "
-                    f"`communication_period` ({period}). "
-                    f"Received: steps_per_worker={steps_per_worker!r}"
-                )
-            target = self.num_workers * steps_per_worker // period
-        else:
-            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-                raise ValueError(
-                    f"`rounds` must be an int >= 1. Received: rounds={rounds!r}"
-                )
-            target = rounds
-
-        agn = self.optimizer
-        history = {"losses": [], "target_commits": target}
         with self._ps_failures():
-            commits = int(agn.commits.numpy())
-        history["restored_commits"] = commits
-        start_commits = commits
-        start = time.perf_counter()
-        last_saved = commits
+            commits = int(self.optimizer.commits.numpy())
+        history = {"losses": [], "target_commits": target, "restored_commits": commits}
+        start_commits, start = commits, time.perf_counter()
         self._log(
             f"[agn] training to {target} commits ({target * period} local steps, "
             f"period {period}, {self.num_workers} workers); "
@@ -417,32 +383,19 @@ class ParameterServerTrainer:
         )
         with relay_worker_events(self._log), self._ps_failures():
             while commits < target:
+                last_saved = commits
                 count = min(self.checkpoint_every, target - commits)
-                results = [
-                    self.coordinator.schedule(self._round, args=(self._iterator,))
-                    for _ in range(count)
-                ]
-                self.coordinator.join()
-                losses = [float(r.fetch()[0]) for r in results]
-                commits = int(agn.commits.numpy())
-                steps = int(agn.local_steps.numpy())
+                commits = self._train_interval(count)
                 elapsed = time.perf_counter() - start
-                mean_loss = float(np.mean(losses))
-                history["losses"].append(mean_loss)
+                history["losses"].append(self._last_loss)
                 rate = (commits - start_commits) / max(elapsed, 1e-9)
                 self._log(
-                    f"[agn] commits {commits}/{target} | local steps {steps} | "
-                    f"loss {mean_loss:.4f} | {rate:.1f} commits/s | {elapsed:.1f}s"
+                    f"[agn] commits {commits}/{target} | local steps "
+                    f"{self._last_steps} | loss {self._last_loss:.4f} | "
+                    f"{rate:.1f} commits/s | {elapsed:.1f}s"
                 )
-                if self.manager is not None and (
-                    commits // self.checkpoint_every
-                    > last_saved // self.checkpoint_every
-                    or commits >= target
-                ):
-                    path = self.manager.save(checkpoint_number=commits)
-                    last_saved = commits
-                    self._log(f"[agn] checkpoint saved: {path} (commit {commits})")
-            steps = int(agn.local_steps.numpy())
+                self._maybe_save(last_saved, commits, target)
+            steps = int(self.optimizer.local_steps.numpy())
         seconds = time.perf_counter() - start
         per_worker = self.worker_local_steps()
         self._log(
@@ -457,6 +410,53 @@ class ParameterServerTrainer:
             commits_per_second=(commits - start_commits) / max(seconds, 1e-9),
         )
         return history
+
+    def _target_commits(self, steps_per_worker, rounds):
+        period = self.optimizer.communication_period
+        if (steps_per_worker is None) == (rounds is None):
+            raise ValueError(
+                "Pass exactly one of `steps_per_worker` and `rounds`. Received: "
+                f"steps_per_worker={steps_per_worker!r}, rounds={rounds!r}"
+            )
+        if rounds is not None:
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+                raise ValueError(
+                    f"`rounds` must be an int >= 1. Received: rounds={rounds!r}"
+                )
+            return rounds
+        if (
+            isinstance(steps_per_worker, bool)
+            or not isinstance(steps_per_worker, int)
+            or steps_per_worker < period
+            or steps_per_worker % period
+        ):
+            raise ValueError(
+                "`steps_per_worker` must be a positive multiple of "
+                f"`communication_period` ({period}). "
+                f"Received: steps_per_worker={steps_per_worker!r}"
+            )
+        return self.num_workers * steps_per_worker // period
+
+    def _train_interval(self, count):
+        """Schedules `count` rounds and waits for them; the commits after."""
+        results = [
+            self.coordinator.schedule(self._round, args=(self._iterator,))
+            for _ in range(count)
+        ]
+        self.coordinator.join()
+        self._last_loss = float(np.mean([float(r.fetch()[0]) for r in results]))
+        self._last_steps = int(self.optimizer.local_steps.numpy())
+        return int(self.optimizer.commits.numpy())
+
+    def _maybe_save(self, last_saved, commits, target):
+        """Saves a checkpoint when `commits` crossed a multiple of
+        `checkpoint_every` since `last_saved`, or reached the target."""
+        every = self.checkpoint_every
+        if self.manager is not None and (
+            commits // every > last_saved // every or commits >= target
+        ):
+            path = self.manager.save(checkpoint_number=commits)
+            self._log(f"[agn] checkpoint saved: {path} (commit {commits})")
 
     def worker_local_steps(self):
         """Local steps each worker has taken since its variables were created.
@@ -513,6 +513,18 @@ class ParameterServerTrainer:
         if not np.isnan(total_correct):
             metrics["accuracy"] = total_correct / count
         return metrics
+
+
+def _fixed_batches(element_spec):
+    """`element_spec` of a round's dataset, checked for a fixed batch size."""
+    for spec in tf.nest.flatten(element_spec):
+        if spec.shape.rank is None or spec.shape.rank < 2 or spec.shape[1] is None:
+            raise ValueError(
+                "`dataset_fn` must yield batches of a fixed size (use "
+                "`dataset.batch(batch_size, drop_remainder=True)`). "
+                f"Received element_spec={element_spec}"
+            )
+    return element_spec
 
 
 def checkpoint_commits(path):
