@@ -12,6 +12,7 @@ networks; `tf_lars.distribute.launch` runs local clusters in a private
 network namespace where it can.
 """
 
+import contextlib
 import os
 import socket
 
@@ -26,9 +27,67 @@ DEFAULT_INTER_OP_THREADS = 16
 
 def pick_free_port(host="localhost"):
     """A TCP port that was free a moment ago (bind to port 0 and release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count, host="localhost"):
+    """`count` distinct TCP ports that were free a moment ago.
+
+    The sockets are bound together (to port 0) and then released, so the
+    kernel hands out distinct ports.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def bind_host(host):
+    """The address to bind for a cluster host name (`localhost`: 127.0.0.1)."""
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
+    """A cluster dict with free ports on `host`.
+
+    Args:
+        num_workers: int >= 1, worker tasks.
+        num_ps: int, parameter-server tasks (>= 1 in ps mode, 0 in sync mode).
+        host: str, the host name in the addresses. Defaults to "localhost".
+        mode: "ps" (1 chief, workers, ps) or "sync" (workers only, for
+            `MultiWorkerMirroredStrategy`). Defaults to "ps".
+
+    Returns:
+        dict from task type to a list of `"host:port"` addresses.
+
+    Example:
+
+    ```python
+    local_cluster(2, 0, mode="sync")
+    # {'worker': ['localhost:41029', 'localhost:48881']}
+    ```
+    """
+    if mode not in ("ps", "sync"):
+        raise ValueError(f"`mode` must be 'ps' or 'sync'. Received: mode={mode!r}")
+    if mode == "sync" and num_ps:
+        raise ValueError(
+            "`num_ps` must be 0 in sync mode (workers only). "
+            f"Received: num_ps={num_ps!r}"
+        )
+    counts = (
+        {"worker": num_workers}
+        if mode == "sync"
+        else {"chief": 1, "worker": num_workers, "ps": num_ps}
+    )
+    ports = iter(free_ports(sum(counts.values()), bind_host(host)))
+    return {
+        task_type: [f"{host}:{next(ports)}" for _ in range(count)]
+        for task_type, count in counts.items()
+    }
 
 
 def _server_config(inter_op_threads):
@@ -113,11 +172,7 @@ def in_process_cluster(num_workers=2, num_ps=1, inter_op_threads=32):
         `(strategy, coordinator)` as `connect` returns them.
     """
 
-    cluster = {
-        "chief": [f"localhost:{pick_free_port()}"],
-        "worker": [f"localhost:{pick_free_port()}" for _ in range(num_workers)],
-        "ps": [f"localhost:{pick_free_port()}" for _ in range(num_ps)],
-    }
+    cluster = local_cluster(num_workers, num_ps)
     base = tf_config_lib.TFConfig(cluster, "chief", 0)
     for task_type in ("worker", "ps"):
         for index in range(len(cluster[task_type])):

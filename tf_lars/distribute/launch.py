@@ -37,6 +37,7 @@ import time
 
 from tf_lars.distribute import logs
 from tf_lars.distribute import tf_config as tf_config_lib
+from tf_lars.distribute.cluster import bind_host, local_cluster
 from tf_lars.distribute.run import EXIT_CLUSTER, EXIT_CONFIG
 
 #: Environment variable each task gets: whole-job restarts so far (sync mode).
@@ -216,58 +217,6 @@ def _program_command(program, python):
     return [python, "-m", head, *rest]
 
 
-def _bind_host(host):
-    return "127.0.0.1" if host == "localhost" else host
-
-
-def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
-    """A cluster dict with free ports on `host`.
-
-    Args:
-        num_workers: int >= 1, worker tasks.
-        num_ps: int, parameter-server tasks (>= 1 in ps mode, 0 in sync mode).
-        host: str, the host name in the addresses. Defaults to "localhost".
-        mode: "ps" (1 chief, workers, ps) or "sync" (workers only, for
-            `MultiWorkerMirroredStrategy`). Defaults to "ps".
-
-    Returns:
-        dict from task type to a list of `"host:port"` addresses.
-
-    Example:
-
-    ```python
-    local_cluster(2, 0, mode="sync")
-    # {'worker': ['localhost:41029', 'localhost:48881']}
-    ```
-    """
-    from tf_lars.distribute.cluster import pick_free_port
-
-    if mode not in ("ps", "sync"):
-        raise ValueError(f"`mode` must be 'ps' or 'sync'. Received: mode={mode!r}")
-    if mode == "sync" and num_ps:
-        raise ValueError(
-            "`num_ps` must be 0 in sync mode (workers only). "
-            f"Received: num_ps={num_ps!r}"
-        )
-    bind_host = _bind_host(host)
-    ports = set()
-
-    def address():
-        while True:
-            port = pick_free_port(bind_host)
-            if port not in ports:
-                ports.add(port)
-                return f"{host}:{port}"
-
-    if mode == "sync":
-        return {"worker": [address() for _ in range(num_workers)]}
-    return {
-        "chief": [address()],
-        "worker": [address() for _ in range(num_workers)],
-        "ps": [address() for _ in range(num_ps)],
-    }
-
-
 def _address_in_use(address):
     """Whether a local address's port cannot be bound now (as gRPC binds it)."""
     host, port = tf_config_lib.split_address(address)
@@ -275,7 +224,7 @@ def _address_in_use(address):
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((_bind_host(host), port))
+            sock.bind((bind_host(host), port))
         except OSError:
             return True
     return False

@@ -111,26 +111,23 @@ def _is_chief_task(cluster, task_type, task_index):
     return task_type == "worker" and task_index == 0
 
 
+# Runs in its own process: argv is the pipe's fd, the pid to end, the timeout,
+# the message (with %s for the tasks) and {address: label} of the other tasks.
 _WATCHDOG = """
-import json, select, signal, socket, sys, os
-fd, parent, timeout, who, cluster, me = (int(sys.argv[1]), int(sys.argv[2]),
-    float(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]), sys.argv[6])
-ready, _, _ = select.select([fd], [], [], timeout)
-if ready:
+import json, os, select, signal, socket, sys, time
+fd, parent, timeout, message, others = (int(sys.argv[1]), int(sys.argv[2]),
+    float(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
+if select.select([fd], [], [], timeout)[0]:
     sys.exit(0)  # a byte (started) or EOF (the parent ended)
 missing = []
-for address in cluster:
-    if address == me:
-        continue
+for address, label in others.items():
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
     except OSError:
-        missing.append(address)
-print(who % (", ".join(missing) or "some tasks (all ports answer)"),
+        missing.append(label)
+print(message % (", ".join(missing) or "some tasks (all ports answer)"),
       file=sys.stderr, flush=True)
-import time
-# TensorFlow's servers may keep a SIGTERM from ending the process.
 for signum, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
     try:
         os.kill(parent, signum)
@@ -147,35 +144,25 @@ def _start_watchdog(config, start_timeout):
     thread of this process can run meanwhile: a small Python process watches
     instead, names the tasks whose ports do not answer, and sends SIGTERM
     (then SIGKILL: TensorFlow's servers may keep SIGTERM from ending it).
+    Returns the pipe's write end: write a byte once every task has joined.
     """
     import subprocess
 
     read_fd, write_fd = os.pipe()
-    labels = {}
-    for task_type, addresses in config.cluster.items():
-        for index, address in enumerate(addresses):
-            labels[address] = f"{task_type} {index} ({address})"
+    others = {
+        address: f"{task_type} {index} ({address})"
+        for task_type, addresses in config.cluster.items()
+        for index, address in enumerate(addresses)
+        if address != config.address
+    }
     message = (
         f"error: {config.task_type} {config.task_index}: %s did not start within "
         f"{start_timeout:g}s; the cluster needs every worker "
         "(MultiWorkerMirroredStrategy). Start it, or fix TF_CONFIG."
     )
-    # The watchdog reports addresses; name them as `type index (address)`.
-    code = _WATCHDOG.replace(
-        "missing.append(address)", "missing.append(LABELS[address])"
-    ).replace("import json,", f"LABELS = {labels!r}\nimport json,")
     subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            code,
-            str(read_fd),
-            str(os.getpid()),
-            str(start_timeout),
-            message,
-            json.dumps([a for v in config.cluster.values() for a in v]),
-            config.address,
-        ],
+        [sys.executable, "-c", _WATCHDOG, str(read_fd), str(os.getpid())]
+        + [str(start_timeout), message, json.dumps(others)],
         pass_fds=(read_fd,),
         stdin=subprocess.DEVNULL,
     )

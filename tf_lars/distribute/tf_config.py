@@ -25,6 +25,7 @@ TASK_TYPES = ("chief", "worker", "ps")
 """Task types of a parameter-server cluster, in launch order of importance."""
 
 _LOCAL_HOSTS = ("localhost", "ip6-localhost")
+_LOOPBACK = "<loopback>"
 
 
 class TFConfigError(ValueError):
@@ -78,17 +79,9 @@ class TFConfig:
         )
 
     def for_task(self, task_type, task_index):
-        """The same cluster seen from another task."""
-        return parse_tf_config(
-            json.dumps(
-                {
-                    "cluster": self.cluster,
-                    "task": {"type": task_type, "index": task_index},
-                    "rpc_layer": self.rpc_layer,
-                }
-            ),
-            mode=self.mode,
-        )
+        """The same cluster seen from another task (validated again)."""
+        other = dataclasses.replace(self, task_type=task_type, task_index=task_index)
+        return parse_tf_config(other.to_json(), mode=self.mode)
 
 
 def _short(text, limit=300):
@@ -127,27 +120,18 @@ def split_address(address):
 
 def is_local_address(address):
     """Whether `"host:port"` names this machine's loopback interface."""
-    host, _ = split_address(address)
-    if host.lower() in _LOCAL_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return _socket_key(*split_address(address))[0] == _LOOPBACK
 
 
 def _socket_key(host, port):
     # On one machine `localhost:2002` and `127.0.0.1:2002` are one socket:
     # every loopback name counts as the same host (names are case-blind).
     host = host.lower()
-    if host in _LOCAL_HOSTS:
-        return ("<loopback>", port)
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return ("<loopback>", port)
+        loopback = host in _LOCAL_HOSTS or ipaddress.ip_address(host).is_loopback
     except ValueError:
-        pass
-    return (host, port)
+        loopback = False
+    return (_LOOPBACK if loopback else host, port)
 
 
 def _address_list(task_type, addresses):
