@@ -36,6 +36,8 @@ import argparse
 import importlib
 import sys
 
+from tf_lars.distribute.logs import quiet_python_logs as _quiet_python_logs
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 # Top-level modules of the `cli` extra (pyproject.toml).
@@ -186,9 +188,7 @@ def _run(arguments):
         from tf_lars.cli import import_tensorflow
 
         import_tensorflow()
-        from tf_lars.distribute.logs import quiet_python_logs
-
-        quiet_python_logs()
+        _quiet_python_logs()
         command = importlib.import_module(f"tf_lars.cli.{arguments.command}")
         return command.run(config, data, folder, arguments.overwrite)
     except (ConfigError, DataError, TFConfigError) as error:
