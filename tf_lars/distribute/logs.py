@@ -222,14 +222,7 @@ _ERROR_LEVELS = ("ERROR", "CRITICAL", "FATAL")
 
 # Record kinds: QUIET ones are dropped without a note, HIDDEN ones counted in
 # the note of their run, LOUD ones (and tracebacks) make the run worth a note.
-_QUIET, _HIDDEN, _LOUD, _TRACEBACK_KIND, _RETRACE, _LOG = (
-    "quiet",
-    "hidden",
-    "loud",
-    "traceback",
-    "retrace",
-    "log",
-)
+_QUIET, _HIDDEN, _LOUD, _TRACEBACK_KIND, _RETRACE, _LOG = range(6)
 
 
 def _classify(line):
@@ -269,20 +262,8 @@ class TerminalFilter:
     Feed it the task's lines in order (without their line ends); it returns
     the lines to show, some of them later than they came (a record is held
     until its last line is known). Call `flush` when the output pauses and
-    at its end. What it does:
-
-    - absl's pre-init warning and C++ log lines (with their continuation
-      lines) are dropped;
-    - a run of Python `ERROR:tensorflow:` records, gRPC status dumps and
-      tracebacks becomes one note, `[launch] (37 lines of TensorFlow logging
-      hidden; full text in <log>)`, followed by the traceback's exception
-      line unless the program printed its own one-line `error: ...` after it;
-    - the `... triggered tf.function retracing` warning is shown once per
-      function, cut to one line;
-    - a log record identical to the one just shown is dropped (TensorFlow's
-      logger and the root logger that absl configures both print each one).
-
-    Everything else (the program's own lines) passes unchanged and at once.
+    at its end. What it shows and hides: docs/guides/multi-worker.md, "What
+    the terminal shows".
 
     Args:
         log_path: str, the task's log file, named in the notes.

@@ -39,23 +39,13 @@ def enable_multi_worker_fit(model):
     Under any other strategy (or none) it returns the model unchanged, so
     the same program runs in one process and on a cluster.
 
-    Keras 3.15 fails twice under `MultiWorkerMirroredStrategy`:
-
-    1. before the first step, `_maybe_symbolic_build` reduces a tuple of
-       `PerReplica` batches with `strategy.reduce("MEAN", ...)` only to learn
-       their shapes, which the collective ops refuse ("Attempt to convert a
-       value (PerReplica...) to a Tensor"). The model is built from this
-       worker's local batch instead (`tf_lars._internals`, access 7).
-    2. the train and test functions reduce each scalar log with
-       `strategy.reduce("MEAN", value, axis=0)`, which fails on a scalar
-       ("Invalid reduction dimension 0 for input with 0 dimensions"). The
-       instance's `train_step` / `test_step` (public, overridable) are wrapped
-       to return scalars with a leading axis of 1, so the reduction is the
-       mean over replicas.
-
-    Neither changes the training: gradients are all-reduced by the strategy
-    as before. `tests/distribute_multi_worker_test.py` runs `fit` without
-    this function and expects the failure, so it notices when Keras fixes it.
+    Keras 3.15 fails twice under `MultiWorkerMirroredStrategy`: its
+    `_maybe_symbolic_build` reduces a tuple of `PerReplica` batches, and its
+    steps reduce scalar logs along axis 0. The model is built from this
+    worker's local batch instead (`tf_lars._internals`), and the instance's
+    `train_step` / `test_step` return scalars with a leading axis of 1.
+    Gradients and the update are untouched. Why, and when to remove it:
+    docs/guides/multi-worker.md, "The Keras workaround and when to remove it".
 
     Args:
         model: a compiled `keras.Model` created under the strategy's scope.
@@ -333,13 +323,8 @@ def _warn_unsynchronized_batch_norm(model, strategy):
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the training state after each epoch; resumes `fit` from it.
 
-    `keras.callbacks.BackupAndRestore` for one process and for
-    `MultiWorkerMirroredStrategy`, where Keras 3.15's own callback has every
-    worker write the same files at the same moment (HDF5 refuses the second
-    writer: "unable to lock file"), writes in place (a worker killed
-    mid-write leaves a truncated file, or new weights beside the previous
-    epoch number) and lets each worker restore whatever its own disk holds.
-    Here, after each epoch:
+    `keras.callbacks.BackupAndRestore` made safe for `MultiWorkerMirroredStrategy`
+    (and usable in one process). After each epoch:
 
     ```
     chief:  model.save_weights(partial-<E>.weights.h5)   # E = epochs done
@@ -348,33 +333,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     others: write nothing
     ```
 
-    and when `fit` starts, the chief loads the newest `epoch-<E>` file, every
-    worker receives the chief's values bit for bit (an all-reduce), and
-    `fit` continues at epoch E. The backup directory therefore only has to
-    be reachable by the chief, and every worker resumes from the same state.
-
-    What is restored is what `model.save_weights` holds: the model's weights
-    (BatchNorm statistics included) and every optimizer variable:
-    `iterations` (so a `LearningRateSchedule` continues where it was), LARS's
-    momentum slots, and for `tf_lars.LossScaleOptimizer` the inner optimizer's
-    variables, the loss scale, `step_counter` and `skipped_step_counter`.
-    Not restored: metrics (reset at each epoch anyway) and the state of
-    layers that draw random numbers in training (`Dropout`,
-    random augmentation), whose masks then differ from an uninterrupted run.
-
-    BatchNormalization under MWMS: use `synchronized=True`. Otherwise each
-    worker keeps its own moving statistics, a restore gives every worker the
-    chief's, and the other workers' statistics then differ from an
-    uninterrupted run's (their trainable weights and optimizer state do
-    not); `fit` warns about such layers when there is more than one worker.
-
-    The resumed run equals an uninterrupted one exactly when each epoch's
-    batches do not depend on how many epochs this process has already run:
-    no shuffling, or `shuffle(..., seed=s, reshuffle_each_iteration=False)`
-    (a restarted process would otherwise replay the first epoch's order).
-    Backups are taken at epoch ends only: Keras restarts an interrupted
-    epoch from its first batch, so a mid-epoch backup would apply that
-    epoch's first batches twice (Keras's `save_freq=<int>` does).
+    When `fit` starts, the chief loads the newest `epoch-<E>` file, every
+    worker receives the chief's values bit for bit (an all-reduce), and `fit`
+    continues at epoch E. What is restored (weights and every optimizer
+    variable, not metrics or random state), BatchNormalization
+    (`synchronized=True`), the data order an exact resume needs, and why not
+    Keras's own callback: docs/guides/multi-worker.md, "Preemption:
+    `BackupAndRestore`".
 
     Args:
         backup_dir: str. Directory of the backup, local or any path

@@ -147,12 +147,10 @@ class ParameterServerTrainer:
     commit:   center <- inner_center.update(center, a / period)  (one push)
     ```
 
-    `ClusterCoordinator` re-runs a round on another worker if its worker
-    fails, so at most one round per failure is committed twice; a worker that
-    never returns leaves its share to the others. The center variables and
-    the optimizer state are checkpointed with `tf.train.Checkpoint` every
-    `checkpoint_every` commits; a new trainer pointed at the same directory
-    restores the latest checkpoint and continues to the same target.
+    The center and the optimizer state are checkpointed every
+    `checkpoint_every` commits; a trainer on the same directory resumes.
+    Failures and how the rounds map onto TensorFlow:
+    docs/guides/parameter-servers.md.
 
     Args:
         model: `keras.Model` created under `strategy.scope()` (its variables
