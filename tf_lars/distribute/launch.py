@@ -122,6 +122,10 @@ class Task:
     def label(self):
         return f"{self.config.task_type} {self.config.task_index}"
 
+    @property
+    def key(self):
+        return (self.config.task_type, self.config.task_index)
+
     def start(self, echo=False, job_restarts=0):
         env = dict(self.environ)
         env["TF_CONFIG"] = self.config.to_json()
@@ -623,6 +627,7 @@ class _Launch:
         self.tasks = []
         self.job_restarts = 0
         self.stop_signal = None
+        self.echoed = None
         self.state_path = os.path.join(log_dir, "cluster.json")
 
     def _base(self):
@@ -634,33 +639,12 @@ class _Launch:
         base = self._base()
         for task_type, index in wanted:
             log_path = logs.task_log_path(self.log_dir, task_type, index)
-            with open(log_path, "wb"):
-                pass
-            self.tasks.append(
-                Task(
-                    base.for_task(task_type, index),
-                    self.command,
-                    log_path,
-                    self.environ,
-                )
-            )
-
-    def _find(self, task_type, index):
-        return next(
-            (
-                t
-                for t in self.tasks
-                if (t.config.task_type, t.config.task_index) == (task_type, index)
-            ),
-            None,
-        )
-
-    @property
-    def echoed(self):
-        """The task whose output is shown: the chief, else worker 0 (sync)."""
-        if "chief" in self.cluster:
-            return self._find("chief", 0)
-        return self._find("worker", 0) if self.mode == "sync" else None
+            open(log_path, "wb").close()  # noqa: SIM115 - emptied, not kept open
+            config = base.for_task(task_type, index)
+            self.tasks.append(Task(config, self.command, log_path, self.environ))
+        # The task whose output is shown: the chief, else worker 0 (sync).
+        shown = ("chief", 0) if "chief" in self.cluster else ("worker", 0)
+        self.echoed = next((t for t in self.tasks if t.key == shown), None)
 
     def write_state(self):
         state = {
