@@ -100,7 +100,12 @@ def import_tensorflow_quietly():
     """
     if "tensorflow" not in sys.modules and _level() >= 1:
         sys.stderr.flush()
-        saved = os.dup(2)
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to quiet
+            import tensorflow as tf
+
+            return tf
         try:
             with open(os.devnull, "w") as devnull:
                 os.dup2(devnull.fileno(), 2)
