@@ -1,6 +1,6 @@
 """End to end: the launcher starts 1 chief, 2 workers and 1 parameter server
 as separate processes on localhost and AGN trains a digits classifier; the
-terminal filter (`tf_lars.distribute.log_filter`) on recorded lines."""
+terminal filter (`tf_lars.distribute.logs`) on recorded lines."""
 
 import errno
 import json
@@ -19,7 +19,7 @@ from tests.distribute_launch_helpers import (
     launcher_env,
     read_json,
 )
-from tf_lars.distribute.log_filter import TerminalFilter, filter_lines, last_error_line
+from tf_lars.distribute.logs import TerminalFilter, filter_lines, last_error_line
 
 # The accuracy this run reaches is stated in docs/guides/parameter-servers.md; the bar
 # leaves room for the random worker interleaving (measured 0.975-0.986).

@@ -97,12 +97,11 @@ def seed_reference(strategy, coordinator):
     }
 
 
-def exact_count(strategy, coordinator, period, steps_per_worker, checkpoint_dir):
-    """K workers x N local steps at period P: K*N/P commits, none lost."""
+def two_weight_trainer(strategy, coordinator, period, checkpoint_dir, **kwargs):
+    """`(model, optimizer, trainer)`: `TwoWeights` trained by AGN over SGD(0.01)."""
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), TwoWeights()])
         optimizer = tf_lars.AGN(keras.optimizers.SGD(0.01), communication_period=period)
-    lines = []
     trainer = trainer_lib.ParameterServerTrainer(
         model,
         negative_mean,
@@ -111,6 +110,19 @@ def exact_count(strategy, coordinator, period, steps_per_worker, checkpoint_dir)
         strategy,
         coordinator=coordinator,
         checkpoint_dir=checkpoint_dir,
+        **kwargs,
+    )
+    return model, optimizer, trainer
+
+
+def exact_count(strategy, coordinator, period, steps_per_worker, checkpoint_dir):
+    """K workers x N local steps at period P: K*N/P commits, none lost."""
+    lines = []
+    model, optimizer, trainer = two_weight_trainer(
+        strategy,
+        coordinator,
+        period,
+        checkpoint_dir,
         checkpoint_every=5,
         log=lines.append,
     )
@@ -143,18 +155,8 @@ def exact_count(strategy, coordinator, period, steps_per_worker, checkpoint_dir)
 
 def resume(strategy, coordinator, period, checkpoint_dir):
     """A new trainer on the same directory restores the latest checkpoint."""
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((1,)), TwoWeights()])
-        optimizer = tf_lars.AGN(keras.optimizers.SGD(0.01), communication_period=period)
-    trainer = trainer_lib.ParameterServerTrainer(
-        model,
-        negative_mean,
-        optimizer,
-        dataset_fn,
-        strategy,
-        coordinator=coordinator,
-        checkpoint_dir=checkpoint_dir,
-        log=lambda line: None,
+    model, optimizer, trainer = two_weight_trainer(
+        strategy, coordinator, period, checkpoint_dir, log=lambda line: None
     )
     return {
         "restored_commits": trainer.restored_commits,

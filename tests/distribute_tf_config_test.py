@@ -144,37 +144,17 @@ def test_entry_point_fails_before_any_work(tf_config, message, tmp_path):
 
 
 def test_launcher_rejects_bad_cluster_before_starting_tasks(tmp_path):
+    def launch(*args):
+        launcher = ["-m", "tf_lars.distribute.launch", "--log-dir", str(tmp_path)]
+        return _run([*launcher, *args, "--", EXAMPLE])[0]
+
     cluster = json.dumps(dict(CLUSTER, evaluator=["localhost:2009"]))
-    proc, _ = _run(
-        [
-            "-m",
-            "tf_lars.distribute.launch",
-            "--log-dir",
-            str(tmp_path),
-            "--cluster",
-            cluster,
-            "--",
-            EXAMPLE,
-        ]
-    )
+    proc = launch("--cluster", cluster)
     assert proc.returncode == 2
     assert "error: Unknown task type(s) ['evaluator']" in proc.stderr
     assert os.listdir(tmp_path) == []  # no task log, no cluster.json
 
-    proc, _ = _run(
-        [
-            "-m",
-            "tf_lars.distribute.launch",
-            "--log-dir",
-            str(tmp_path),
-            "--cluster",
-            json.dumps(CLUSTER),
-            "--tasks",
-            "worker:5",
-            "--",
-            EXAMPLE,
-        ]
-    )
+    proc = launch("--cluster", json.dumps(CLUSTER), "--tasks", "worker:5")
     assert proc.returncode == 2
     assert (
         "`--tasks` names 'worker:5', which is not a task of the cluster" in proc.stderr

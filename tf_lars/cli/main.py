@@ -36,6 +36,8 @@ import argparse
 import importlib
 import sys
 
+from tf_lars.distribute.logs import quiet_python_logs as _quiet_python_logs
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 # Top-level modules of the `cli` extra (pyproject.toml).
@@ -105,15 +107,6 @@ def _parser():
 def _error(command, message):
     print(f"tf-lars {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
-
-
-def _quiet_python_logs():
-    import logging
-
-    import absl.logging
-
-    absl.logging.set_verbosity(absl.logging.ERROR)
-    logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
 
 def _bench(argv, tf_log):

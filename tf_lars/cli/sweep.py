@@ -93,7 +93,9 @@ def _init_worker(threads):
     tf = import_tensorflow()
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    tf.get_logger().setLevel("ERROR")
+    from tf_lars.distribute.logs import quiet_python_logs
+
+    quiet_python_logs()
 
 
 def run_task(config, task):

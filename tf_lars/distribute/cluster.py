@@ -12,12 +12,12 @@ networks; `tf_lars.distribute.launch` runs local clusters in a private
 network namespace where it can.
 """
 
-import logging
+import contextlib
 import os
 import socket
-import sys
 
 from tf_lars.distribute import tf_config as tf_config_lib
+from tf_lars.distribute.logs import log_tensorflow_records_once
 
 # Worker closures block on parameter-server reads while the servers run other
 # closures' ops; TensorFlow's default pool (one thread per core) starves on
@@ -27,9 +27,67 @@ DEFAULT_INTER_OP_THREADS = 16
 
 def pick_free_port(host="localhost"):
     """A TCP port that was free a moment ago (bind to port 0 and release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count, host="localhost"):
+    """`count` distinct TCP ports that were free a moment ago.
+
+    The sockets are bound together (to port 0) and then released, so the
+    kernel hands out distinct ports.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def bind_host(host):
+    """The address to bind for a cluster host name (`localhost`: 127.0.0.1)."""
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
+    """A cluster dict with free ports on `host`.
+
+    Args:
+        num_workers: int >= 1, worker tasks.
+        num_ps: int, parameter-server tasks (>= 1 in ps mode, 0 in sync mode).
+        host: str, the host name in the addresses. Defaults to "localhost".
+        mode: "ps" (1 chief, workers, ps) or "sync" (workers only, for
+            `MultiWorkerMirroredStrategy`). Defaults to "ps".
+
+    Returns:
+        dict from task type to a list of `"host:port"` addresses.
+
+    Example:
+
+    ```python
+    local_cluster(2, 0, mode="sync")
+    # {'worker': ['localhost:41029', 'localhost:48881']}
+    ```
+    """
+    if mode not in ("ps", "sync"):
+        raise ValueError(f"`mode` must be 'ps' or 'sync'. Received: mode={mode!r}")
+    if mode == "sync" and num_ps:
+        raise ValueError(
+            "`num_ps` must be 0 in sync mode (workers only). "
+            f"Received: num_ps={num_ps!r}"
+        )
+    counts = (
+        {"worker": num_workers}
+        if mode == "sync"
+        else {"chief": 1, "worker": num_workers, "ps": num_ps}
+    )
+    ports = iter(free_ports(sum(counts.values()), bind_host(host)))
+    return {
+        task_type: [f"{host}:{next(ports)}" for _ in range(count)]
+        for task_type, count in counts.items()
+    }
 
 
 def _server_config(inter_op_threads):
@@ -38,37 +96,6 @@ def _server_config(inter_op_threads):
     config = tf.compat.v1.ConfigProto()
     config.inter_op_parallelism_threads = inter_op_threads
     return config
-
-
-def log_tensorflow_records_once():
-    """Stops TensorFlow's Python log records from being printed twice.
-
-    TensorFlow gives its logger a handler of its own only when the root
-    logger has none, so that each record is printed once. absl configures the
-    root logger later, on the first absl log call (connecting to a cluster
-    makes one), and from then on every `ERROR:tensorflow:...` record is
-    printed by both. This removes TensorFlow's own stream handler once the
-    root logger has a handler, restoring TensorFlow's rule; records still
-    reach the root logger's handlers, in the same `LEVEL:logger:message`
-    form. Handlers a program added to the `tensorflow` logger itself (other
-    than a plain stream to stdout/stderr) are kept.
-
-    Example:
-
-    ```python
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    log_tensorflow_records_once()
-    ```
-    """
-    logger = logging.getLogger("tensorflow")
-    if not logger.propagate or not logging.getLogger().handlers:
-        return
-    for handler in list(logger.handlers):
-        if type(handler) is logging.StreamHandler and handler.stream in (
-            sys.stderr,
-            sys.stdout,
-        ):
-            logger.removeHandler(handler)
 
 
 def cluster_spec(config):
@@ -145,11 +172,7 @@ def in_process_cluster(num_workers=2, num_ps=1, inter_op_threads=32):
         `(strategy, coordinator)` as `connect` returns them.
     """
 
-    cluster = {
-        "chief": [f"localhost:{pick_free_port()}"],
-        "worker": [f"localhost:{pick_free_port()}" for _ in range(num_workers)],
-        "ps": [f"localhost:{pick_free_port()}" for _ in range(num_ps)],
-    }
+    cluster = local_cluster(num_workers, num_ps)
     base = tf_config_lib.TFConfig(cluster, "chief", 0)
     for task_type in ("worker", "ps"):
         for index in range(len(cluster[task_type])):

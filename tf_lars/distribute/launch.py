@@ -1,59 +1,22 @@
 """Start a cluster of local processes: parameter servers or synchronous workers.
 
-Usage:
+Usage (`--help` says what each option does):
 
     python -m tf_lars.distribute.launch --workers 2 --ps 1 -- \\
         examples/agn_digits.py --steps-per-worker 300
     python -m tf_lars.distribute.launch --mode sync --workers 2 \\
         --restart-job 3 -- my_train.py --epochs 10
 
-Everything after `--` is the training program, followed by its arguments:
-a script path (`examples/agn_digits.py`; anything that ends in `.py`, names
-an existing file or contains a path separator), `-m some.module`, or a bare
-module name (run with `python -m`). The launcher starts one process per
-task, each with its own `TF_CONFIG`, writes each task's output to
-`<log-dir>/<type>-<index>.log`, echoes one task's output here (through
-`tf_lars.distribute.log_filter`: TensorFlow's logging stays in the log
-files) and prints where the logs are.
+One process per task, each with its own `TF_CONFIG` and `TF_LARS_RESTART`
+(whole-job restarts so far); each task's output goes to its log file
+(`tf_lars.distribute.logs`), one task is echoed here, and the state of the
+cluster is kept in `<log-dir>/cluster.json`. Ctrl-C (or SIGTERM) stops every
+task. The guides say more: docs/guides/parameter-servers.md (`--mode ps`)
+and docs/guides/multi-worker.md (`--mode sync`, exit statuses, security).
 
-`--mode ps` (the default): `ParameterServerStrategy`, 1 chief, `--workers`
-workers, `--ps` parameter servers. The chief's output is echoed. When the
-chief exits, the other tasks are stopped and the launcher exits with the
-chief's status. `--restart-workers` restarts a worker process that dies
-while the chief runs (the coordinator re-dispatches its work and takes it
-back when it returns).
-
-`--mode sync`: `MultiWorkerMirroredStrategy`, `--workers` workers and
-nothing else (worker 0 is the chief, MWMS's convention); worker 0's output
-is echoed. The job succeeds when every worker exits with status 0. MWMS
-needs every worker, so when one exits otherwise the launcher stops the rest
-and, with `--restart-job N`, starts every worker again on the same addresses
-after `--restart-delay` seconds, up to N times (the program resumes from its
-`keras.callbacks.BackupAndRestore` backup). Statuses 2 and 3 (a bad
-`TF_CONFIG`, a lost cluster: see `tf_lars.distribute.run`) are never
-restarted. Otherwise the launcher exits with the failed worker's status
-(128 + the signal number for a signal), after one line with that worker's
-last error message when it is not the echoed one.
-
-One launcher starts at most `TASKS_PER_CPU` (4) tasks per CPU it may use
-(`max_local_tasks()`; a generated cluster counts its chief and ps tasks,
-a `--cluster` the tasks `--tasks` names): a larger cluster is a usage error,
-as are bad flags and a missing program (one line, exit status 2, nothing
-started).
-
-Every task gets `TF_LARS_RESTART`: the number of whole-job restarts so far
-(0 at the first start; in ps mode always 0). Ctrl-C (or SIGTERM) stops every
-task. The state of the cluster (mode, addresses, pids, logs, restarts) is
-kept in `<log-dir>/cluster.json`.
-
-Security: TensorFlow's gRPC servers have no authentication, and they listen
-on every network interface whatever host the cluster spec names (TensorFlow
-2.21 has no bind-address option). By default the cluster uses `localhost`
-addresses and, on Linux, runs in a private network namespace that has only a
-loopback interface, so no other machine can reach its ports
-(`--network private`, the default when every address is local). Pass
-`--network host` to opt out, or `--host`/`--cluster` to use other addresses;
-then keep the machines on a private network or behind a firewall.
+Security: TensorFlow's gRPC servers have no authentication and listen on
+every interface whatever host the cluster spec names; local clusters run in
+a loopback-only network namespace where Linux allows it (`--network`).
 """
 
 import argparse
@@ -63,7 +26,6 @@ import ctypes.util
 import fcntl
 import json
 import os
-import select
 import signal
 import socket
 import struct
@@ -73,8 +35,9 @@ import tempfile
 import threading
 import time
 
+from tf_lars.distribute import logs
 from tf_lars.distribute import tf_config as tf_config_lib
-from tf_lars.distribute.log_filter import TerminalFilter, last_error_line
+from tf_lars.distribute.cluster import bind_host, local_cluster
 from tf_lars.distribute.run import EXIT_CLUSTER, EXIT_CONFIG
 
 #: Environment variable each task gets: whole-job restarts so far (sync mode).
@@ -86,32 +49,14 @@ _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 _IFREQ = "16sh22x"
-# An echoed task that prints nothing for this long gets its held lines (and
-# the note of hidden ones) shown: a hung job should still say what it hid.
-_IDLE_FLUSH_SECONDS = 2.0
-_output_lock = threading.Lock()
 
 
 class NamespaceSetupError(OSError):
     """The namespace was entered but could not be set up; no way back."""
 
 
-def _write_lines(lines):
-    if not lines:
-        return
-    data = "".join(f"{line}\n" for line in lines)
-    with _output_lock:
-        buffer = getattr(sys.stdout, "buffer", None)
-        if buffer is None:
-            sys.stdout.write(data)
-        else:
-            sys.stdout.flush()
-            buffer.write(data.encode("utf-8", "replace"))
-        sys.stdout.flush()
-
-
 def _log(message):
-    _write_lines([f"[launch] {message}"])
+    logs.write_lines([f"[launch] {message}"])
 
 
 # ------------------------------------------------------------------- network
@@ -177,6 +122,10 @@ class Task:
     def label(self):
         return f"{self.config.task_type} {self.config.task_index}"
 
+    @property
+    def key(self):
+        return (self.config.task_type, self.config.task_index)
+
     def start(self, echo=False, job_restarts=0):
         env = dict(self.environ)
         env["TF_CONFIG"] = self.config.to_json()
@@ -190,30 +139,22 @@ class Task:
                 f"{RESTART_ENV}={job_restarts} ----\n".encode()
             )
         self.echo = echo
+        self.process = subprocess.Popen(
+            self.command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if echo else log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         if echo:
-            self.process = subprocess.Popen(
-                self.command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
             self._tee = threading.Thread(
-                target=_tee,
-                args=(self.process.stdout, log, TerminalFilter(self.log_path)),
+                target=logs.echo_task_output,
+                args=(self.process.stdout, log, self.log_path),
                 daemon=True,
             )
             self._tee.start()
         else:
-            self.process = subprocess.Popen(
-                self.command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
             log.close()
         self.reported_exit = False
         return self.process
@@ -240,37 +181,7 @@ class Task:
                 text = handle.read().decode("utf-8", "replace")
         except OSError:
             return None
-        return last_error_line(text)
-
-
-def _tee(pipe, log, terminal):
-    """Copies a task's output to its log and, filtered, to the terminal."""
-    fd = pipe.fileno()
-    pending = b""
-    try:
-        while True:
-            ready, _, _ = select.select([fd], [], [], _IDLE_FLUSH_SECONDS)
-            if not ready:
-                _write_lines(terminal.flush())
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            log.write(chunk)
-            *lines, pending = (pending + chunk).split(b"\n")
-            shown = []
-            for line in lines:
-                shown += terminal.feed(_decode(line))
-            _write_lines(shown)
-        _write_lines(terminal.feed(_decode(pending)) if pending else [])
-        _write_lines(terminal.flush())
-    finally:
-        log.close()
-        pipe.close()
-
-
-def _decode(line):
-    return line.decode("utf-8", "replace").rstrip("\r")
+        return logs.last_error_line(text)
 
 
 def _describe_exit(code):
@@ -310,58 +221,6 @@ def _program_command(program, python):
     return [python, "-m", head, *rest]
 
 
-def _bind_host(host):
-    return "127.0.0.1" if host == "localhost" else host
-
-
-def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
-    """A cluster dict with free ports on `host`.
-
-    Args:
-        num_workers: int >= 1, worker tasks.
-        num_ps: int, parameter-server tasks (>= 1 in ps mode, 0 in sync mode).
-        host: str, the host name in the addresses. Defaults to "localhost".
-        mode: "ps" (1 chief, workers, ps) or "sync" (workers only, for
-            `MultiWorkerMirroredStrategy`). Defaults to "ps".
-
-    Returns:
-        dict from task type to a list of `"host:port"` addresses.
-
-    Example:
-
-    ```python
-    local_cluster(2, 0, mode="sync")
-    # {'worker': ['localhost:41029', 'localhost:48881']}
-    ```
-    """
-    from tf_lars.distribute.cluster import pick_free_port
-
-    if mode not in ("ps", "sync"):
-        raise ValueError(f"`mode` must be 'ps' or 'sync'. Received: mode={mode!r}")
-    if mode == "sync" and num_ps:
-        raise ValueError(
-            "`num_ps` must be 0 in sync mode (workers only). "
-            f"Received: num_ps={num_ps!r}"
-        )
-    bind_host = _bind_host(host)
-    ports = set()
-
-    def address():
-        while True:
-            port = pick_free_port(bind_host)
-            if port not in ports:
-                ports.add(port)
-                return f"{host}:{port}"
-
-    if mode == "sync":
-        return {"worker": [address() for _ in range(num_workers)]}
-    return {
-        "chief": [address()],
-        "worker": [address() for _ in range(num_workers)],
-        "ps": [address() for _ in range(num_ps)],
-    }
-
-
 def _address_in_use(address):
     """Whether a local address's port cannot be bound now (as gRPC binds it)."""
     host, port = tf_config_lib.split_address(address)
@@ -369,7 +228,7 @@ def _address_in_use(address):
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((_bind_host(host), port))
+            sock.bind((bind_host(host), port))
         except OSError:
             return True
     return False
@@ -506,6 +365,90 @@ path, `-m module`, or a module name. Examples:
       --restart-job 1 --log-dir logs -- my_train.py"""
 
 
+# (flags, add_argument keywords): the launcher's options, in --help order.
+_OPTIONS = (
+    (
+        ("--mode",),
+        dict(
+            choices=("ps", "sync"),
+            default="ps",
+            help="ps: parameter-server training (default); sync: synchronous "
+            "MultiWorkerMirroredStrategy training",
+        ),
+    ),
+    (
+        ("--workers",),
+        dict(
+            type=_int_at_least(1),
+            default=2,
+            help=f"worker tasks (default 2); at most {TASKS_PER_CPU} tasks per "
+            "CPU in all (chief and ps included)",
+        ),
+    ),
+    (
+        ("--ps",),
+        dict(
+            type=_int_at_least(1),
+            help="parameter-server tasks (ps mode only; default 1)",
+        ),
+    ),
+    (
+        ("--host",),
+        dict(
+            default="localhost",
+            help="host name used in the cluster addresses (default localhost)",
+        ),
+    ),
+    (
+        ("--cluster",),
+        dict(help="a cluster as JSON (or @file.json) instead of --workers/--ps/--host"),
+    ),
+    (
+        ("--tasks",),
+        dict(
+            help="comma-separated tasks to start here, e.g. 'worker:0,ps:0' "
+            "(default all)"
+        ),
+    ),
+    (("--log-dir",), dict(help="directory for task logs (default: a new temp dir)")),
+    (
+        ("--network",),
+        dict(
+            choices=("auto", "private", "host"),
+            default="auto",
+            help="private: run in a loopback-only network namespace; host: the "
+            "machine's network; auto (default): private when every address is "
+            "local and the kernel allows it",
+        ),
+    ),
+    (
+        ("--restart-workers",),
+        dict(
+            action="store_true",
+            help="ps mode: restart a worker process that dies while the chief runs",
+        ),
+    ),
+    (
+        ("--restart-job",),
+        dict(
+            type=_int_at_least(0),
+            metavar="N",
+            help="sync mode: when a worker fails, restart every worker, at most N "
+            "times (default 0)",
+        ),
+    ),
+    (
+        ("--restart-delay",),
+        dict(
+            type=_non_negative_float,
+            default=1.0,
+            help="seconds before a restart (default 1)",
+        ),
+    ),
+    (("--python",), dict(default=sys.executable, help="Python interpreter")),
+)
+
+
 def build_parser():
     parser = _ArgumentParser(
         prog="python -m tf_lars.distribute.launch",
@@ -513,78 +456,8 @@ def build_parser():
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--mode",
-        choices=("ps", "sync"),
-        default="ps",
-        help=(
-            "ps: parameter-server training (default); sync: synchronous "
-            "MultiWorkerMirroredStrategy training"
-        ),
-    )
-    parser.add_argument(
-        "--workers",
-        type=_int_at_least(1),
-        default=2,
-        help=(
-            "worker tasks (default 2); at most "
-            f"{TASKS_PER_CPU} tasks per CPU in all (chief and ps included)"
-        ),
-    )
-    parser.add_argument(
-        "--ps",
-        type=_int_at_least(1),
-        default=None,
-        help="parameter-server tasks (ps mode only; default 1)",
-    )
-    parser.add_argument(
-        "--host",
-        default="localhost",
-        help="host name used in the cluster addresses (default localhost)",
-    )
-    parser.add_argument(
-        "--cluster",
-        help="a cluster as JSON (or @file.json) instead of --workers/--ps/--host",
-    )
-    parser.add_argument(
-        "--tasks",
-        help="comma-separated tasks to start here, e.g. 'worker:0,ps:0' (default all)",
-    )
-    parser.add_argument(
-        "--log-dir", help="directory for task logs (default: a new temp dir)"
-    )
-    parser.add_argument(
-        "--network",
-        choices=("auto", "private", "host"),
-        default="auto",
-        help=(
-            "private: run in a loopback-only network namespace; host: the "
-            "machine's network; auto (default): private when every address is "
-            "local and the kernel allows it"
-        ),
-    )
-    parser.add_argument(
-        "--restart-workers",
-        action="store_true",
-        help="ps mode: restart a worker process that dies while the chief runs",
-    )
-    parser.add_argument(
-        "--restart-job",
-        type=_int_at_least(0),
-        default=None,
-        metavar="N",
-        help=(
-            "sync mode: when a worker fails, restart every worker, at most N "
-            "times (default 0)"
-        ),
-    )
-    parser.add_argument(
-        "--restart-delay",
-        type=_non_negative_float,
-        default=1.0,
-        help="seconds before a restart (default 1)",
-    )
-    parser.add_argument("--python", default=sys.executable, help="Python interpreter")
+    for flags, keywords in _OPTIONS:
+        parser.add_argument(*flags, **keywords)
     return parser
 
 
@@ -720,9 +593,7 @@ def main(argv=None):
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_lars_launch_")
     os.makedirs(log_dir, exist_ok=True)
-    environ = dict(os.environ)
-    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    environ["PYTHONUNBUFFERED"] = "1"
+    environ = logs.task_environment()
     launch = _Launch(args, cluster, generated, network, command, log_dir, environ)
     launch.add_tasks(wanted)
 
@@ -756,6 +627,7 @@ class _Launch:
         self.tasks = []
         self.job_restarts = 0
         self.stop_signal = None
+        self.echoed = None
         self.state_path = os.path.join(log_dir, "cluster.json")
 
     def _base(self):
@@ -766,34 +638,13 @@ class _Launch:
     def add_tasks(self, wanted):
         base = self._base()
         for task_type, index in wanted:
-            log_path = os.path.join(self.log_dir, f"{task_type}-{index}.log")
-            with open(log_path, "wb"):
-                pass
-            self.tasks.append(
-                Task(
-                    base.for_task(task_type, index),
-                    self.command,
-                    log_path,
-                    self.environ,
-                )
-            )
-
-    def _find(self, task_type, index):
-        return next(
-            (
-                t
-                for t in self.tasks
-                if (t.config.task_type, t.config.task_index) == (task_type, index)
-            ),
-            None,
-        )
-
-    @property
-    def echoed(self):
-        """The task whose output is shown: the chief, else worker 0 (sync)."""
-        if "chief" in self.cluster:
-            return self._find("chief", 0)
-        return self._find("worker", 0) if self.mode == "sync" else None
+            log_path = logs.task_log_path(self.log_dir, task_type, index)
+            open(log_path, "wb").close()  # noqa: SIM115 - emptied, not kept open
+            config = base.for_task(task_type, index)
+            self.tasks.append(Task(config, self.command, log_path, self.environ))
+        # The task whose output is shown: the chief, else worker 0 (sync).
+        shown = ("chief", 0) if "chief" in self.cluster else ("worker", 0)
+        self.echoed = next((t for t in self.tasks if t.key == shown), None)
 
     def write_state(self):
         state = {

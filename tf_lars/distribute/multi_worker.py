@@ -2,7 +2,7 @@
 
 - `enable_multi_worker_fit(model)`: makes `model.fit` / `evaluate` work
   under MWMS on Keras 3.15 (the workaround for two upstream failures; see
-  the README, "Synchronous multi-worker training").
+  docs/guides/multi-worker.md, "The Keras workaround and when to remove it").
 - `multi_worker_strategy(config=None)`: validates `TF_CONFIG` for the
   synchronous mode (workers only, optionally one chief; no `ps`) before any
   server starts, then creates the strategy.
@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_lars import _internals
 from tf_lars.distribute import tf_config as tf_config_lib
+from tf_lars.distribute.logs import log_tensorflow_records_once
 
 
 def _with_leading_axis(value):
@@ -38,23 +39,13 @@ def enable_multi_worker_fit(model):
     Under any other strategy (or none) it returns the model unchanged, so
     the same program runs in one process and on a cluster.
 
-    Keras 3.15 fails twice under `MultiWorkerMirroredStrategy`:
-
-    1. before the first step, `_maybe_symbolic_build` reduces a tuple of
-       `PerReplica` batches with `strategy.reduce("MEAN", ...)` only to learn
-       their shapes, which the collective ops refuse ("Attempt to convert a
-       value (PerReplica...) to a Tensor"). The model is built from this
-       worker's local batch instead (`tf_lars._internals`, access 7).
-    2. the train and test functions reduce each scalar log with
-       `strategy.reduce("MEAN", value, axis=0)`, which fails on a scalar
-       ("Invalid reduction dimension 0 for input with 0 dimensions"). The
-       instance's `train_step` / `test_step` (public, overridable) are wrapped
-       to return scalars with a leading axis of 1, so the reduction is the
-       mean over replicas.
-
-    Neither changes the training: gradients are all-reduced by the strategy
-    as before. `tests/distribute_multi_worker_test.py` runs `fit` without
-    this function and expects the failure, so it notices when Keras fixes it.
+    Keras 3.15 fails twice under `MultiWorkerMirroredStrategy`: its
+    `_maybe_symbolic_build` reduces a tuple of `PerReplica` batches, and its
+    steps reduce scalar logs along axis 0. The model is built from this
+    worker's local batch instead (`tf_lars._internals`), and the instance's
+    `train_step` / `test_step` return scalars with a leading axis of 1.
+    Gradients and the update are untouched. Why, and when to remove it:
+    docs/guides/multi-worker.md, "The Keras workaround and when to remove it".
 
     Args:
         model: a compiled `keras.Model` created under the strategy's scope.
@@ -110,26 +101,23 @@ def _is_chief_task(cluster, task_type, task_index):
     return task_type == "worker" and task_index == 0
 
 
+# Runs in its own process: argv is the pipe's fd, the pid to end, the timeout,
+# the message (with %s for the tasks) and {address: label} of the other tasks.
 _WATCHDOG = """
-import json, select, signal, socket, sys, os
-fd, parent, timeout, who, cluster, me = (int(sys.argv[1]), int(sys.argv[2]),
-    float(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]), sys.argv[6])
-ready, _, _ = select.select([fd], [], [], timeout)
-if ready:
+import json, os, select, signal, socket, sys, time
+fd, parent, timeout, message, others = (int(sys.argv[1]), int(sys.argv[2]),
+    float(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
+if select.select([fd], [], [], timeout)[0]:
     sys.exit(0)  # a byte (started) or EOF (the parent ended)
 missing = []
-for address in cluster:
-    if address == me:
-        continue
+for address, label in others.items():
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
     except OSError:
-        missing.append(address)
-print(who % (", ".join(missing) or "some tasks (all ports answer)"),
+        missing.append(label)
+print(message % (", ".join(missing) or "some tasks (all ports answer)"),
       file=sys.stderr, flush=True)
-import time
-# TensorFlow's servers may keep a SIGTERM from ending the process.
 for signum, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
     try:
         os.kill(parent, signum)
@@ -146,35 +134,25 @@ def _start_watchdog(config, start_timeout):
     thread of this process can run meanwhile: a small Python process watches
     instead, names the tasks whose ports do not answer, and sends SIGTERM
     (then SIGKILL: TensorFlow's servers may keep SIGTERM from ending it).
+    Returns the pipe's write end: write a byte once every task has joined.
     """
     import subprocess
 
     read_fd, write_fd = os.pipe()
-    labels = {}
-    for task_type, addresses in config.cluster.items():
-        for index, address in enumerate(addresses):
-            labels[address] = f"{task_type} {index} ({address})"
+    others = {
+        address: f"{task_type} {index} ({address})"
+        for task_type, addresses in config.cluster.items()
+        for index, address in enumerate(addresses)
+        if address != config.address
+    }
     message = (
         f"error: {config.task_type} {config.task_index}: %s did not start within "
         f"{start_timeout:g}s; the cluster needs every worker "
         "(MultiWorkerMirroredStrategy). Start it, or fix TF_CONFIG."
     )
-    # The watchdog reports addresses; name them as `type index (address)`.
-    code = _WATCHDOG.replace(
-        "missing.append(address)", "missing.append(LABELS[address])"
-    ).replace("import json,", f"LABELS = {labels!r}\nimport json,")
     subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            code,
-            str(read_fd),
-            str(os.getpid()),
-            str(start_timeout),
-            message,
-            json.dumps([a for v in config.cluster.values() for a in v]),
-            config.address,
-        ],
+        [sys.executable, "-c", _WATCHDOG, str(read_fd), str(os.getpid())]
+        + [str(start_timeout), message, json.dumps(others)],
         pass_fds=(read_fd,),
         stdin=subprocess.DEVNULL,
     )
@@ -236,12 +214,18 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
         cluster_resolver=resolver, communication_options=options
     )
     # TensorFlow's Python log records would otherwise print twice from here.
-    from tf_lars.distribute.cluster import log_tensorflow_records_once
-
     log_tensorflow_records_once()
+    _join(strategy, started)
+    return strategy
 
-    # Every worker has joined once one all-reduce has gone through (inside a
-    # tf.function: eagerly, the strategy warns about eager collectives).
+
+def _join(strategy, started):
+    """Returns once every worker has joined; tells the watchdog, if any.
+
+    One all-reduce across the cluster shows it, run inside a `tf.function`
+    (eagerly, the strategy warns about eager collectives).
+    """
+
     @tf.function
     def join():
         return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), None)
@@ -250,7 +234,6 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
     if started is not None:
         os.write(started, b"1")
         os.close(started)
-    return strategy
 
 
 # ---------------------------------------------------------- backup and restore
@@ -340,13 +323,8 @@ def _warn_unsynchronized_batch_norm(model, strategy):
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the training state after each epoch; resumes `fit` from it.
 
-    `keras.callbacks.BackupAndRestore` for one process and for
-    `MultiWorkerMirroredStrategy`, where Keras 3.15's own callback has every
-    worker write the same files at the same moment (HDF5 refuses the second
-    writer: "unable to lock file"), writes in place (a worker killed
-    mid-write leaves a truncated file, or new weights beside the previous
-    epoch number) and lets each worker restore whatever its own disk holds.
-    Here, after each epoch:
+    `keras.callbacks.BackupAndRestore` made safe for `MultiWorkerMirroredStrategy`
+    (and usable in one process). After each epoch:
 
     ```
     chief:  model.save_weights(partial-<E>.weights.h5)   # E = epochs done
@@ -355,33 +333,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     others: write nothing
     ```
 
-    and when `fit` starts, the chief loads the newest `epoch-<E>` file, every
-    worker receives the chief's values bit for bit (an all-reduce), and
-    `fit` continues at epoch E. The backup directory therefore only has to
-    be reachable by the chief, and every worker resumes from the same state.
-
-    What is restored is what `model.save_weights` holds: the model's weights
-    (BatchNorm statistics included) and every optimizer variable:
-    `iterations` (so a `LearningRateSchedule` continues where it was), LARS's
-    momentum slots, and for `tf_lars.LossScaleOptimizer` the inner optimizer's
-    variables, the loss scale, `step_counter` and `skipped_step_counter`.
-    Not restored: metrics (reset at each epoch anyway) and the state of
-    layers that draw random numbers in training (`Dropout`,
-    random augmentation), whose masks then differ from an uninterrupted run.
-
-    BatchNormalization under MWMS: use `synchronized=True`. Otherwise each
-    worker keeps its own moving statistics, a restore gives every worker the
-    chief's, and the other workers' statistics then differ from an
-    uninterrupted run's (their trainable weights and optimizer state do
-    not); `fit` warns about such layers when there is more than one worker.
-
-    The resumed run equals an uninterrupted one exactly when each epoch's
-    batches do not depend on how many epochs this process has already run:
-    no shuffling, or `shuffle(..., seed=s, reshuffle_each_iteration=False)`
-    (a restarted process would otherwise replay the first epoch's order).
-    Backups are taken at epoch ends only: Keras restarts an interrupted
-    epoch from its first batch, so a mid-epoch backup would apply that
-    epoch's first batches twice (Keras's `save_freq=<int>` does).
+    When `fit` starts, the chief loads the newest `epoch-<E>` file, every
+    worker receives the chief's values bit for bit (an all-reduce), and `fit`
+    continues at epoch E. What is restored (weights and every optimizer
+    variable, not metrics or random state), BatchNormalization
+    (`synchronized=True`), the data order an exact resume needs, and why not
+    Keras's own callback: docs/guides/multi-worker.md, "Preemption:
+    `BackupAndRestore`".
 
     Args:
         backup_dir: str. Directory of the backup, local or any path

@@ -55,6 +55,20 @@ class ParameterServerAGN:
         name: str or None. Prefix of the worker-local variables' names.
             Defaults to None (the `agn`'s name).
 
+    Attributes:
+        local_variables: list, each worker's copy of the model (worker-local
+            variables).
+        center_variables: list, the model's variables on the parameter servers.
+        accumulators: list, each worker's gradient accumulators, one per
+            variable.
+        local_optimizer: the copy of the inner optimizer that applies local
+            steps.
+        center_optimizer: the inner optimizer (without loss scaling) that
+            applies commits.
+        commits: `agn.commits`, commits applied to the center so far.
+        local_steps: `agn.local_steps`, local steps committed by all workers
+            together.
+
     Example:
 
     ```python
@@ -97,67 +111,34 @@ class ParameterServerAGN:
         self.agn = agn
         self.name = name or agn.name
         self.communication_period = agn.communication_period
-        self._center = agn.center_variables
-        self._center_optimizer = agn.center_optimizer
+        self.center_variables = agn.center_variables
+        self.center_optimizer = agn.center_optimizer
         # Commits from different workers are serialized at the parameter
         # server holding the first variable; the lock waits for the gradients
         # to arrive, so a worker dying mid-push cannot hold it.
-        with strategy.scope(), tf.device(self._center[0].value.device):
+        with strategy.scope(), tf.device(self.center_variables[0].value.device):
             self._lock = tf.CriticalSection(name=f"{self.name}_commit")
         with _internals.worker_local_scope(strategy), keras.name_scope(self.name):
-            self._local = [
-                mark_stand_in(_worker_variable(v, "local"), v) for v in self._center
+            self.local_variables = [
+                mark_stand_in(_worker_variable(v, "local"), v)
+                for v in self.center_variables
             ]
-            self._accumulators = [
-                _worker_variable(v, "accumulator") for v in self._center
+            self.accumulators = [
+                _worker_variable(v, "accumulator") for v in self.center_variables
             ]
-            self._local_optimizer = clone_optimizer(agn.inner_optimizer, "local")
-            self._local_optimizer.build(self._local)
-
-    # ------------------------------------------------------------- read-outs
-    @property
-    def local_variables(self):
-        """Each worker's copy of the model (worker-local variables)."""
-        return list(self._local)
-
-    @property
-    def center_variables(self):
-        """The model's variables on the parameter servers."""
-        return list(self._center)
-
-    @property
-    def accumulators(self):
-        """Each worker's gradient accumulators, one per variable."""
-        return list(self._accumulators)
-
-    @property
-    def local_optimizer(self):
-        """The copy of the inner optimizer that applies local steps."""
-        return self._local_optimizer
-
-    @property
-    def center_optimizer(self):
-        """The inner optimizer (without loss scaling) that applies commits."""
-        return self._center_optimizer
-
-    @property
-    def commits(self):
-        """`agn.commits`: commits applied to the center so far."""
-        return self.agn.commits
-
-    @property
-    def local_steps(self):
-        """`agn.local_steps`: local steps committed by all workers together."""
-        return self.agn.local_steps
+            self.local_optimizer = clone_optimizer(agn.inner_optimizer, "local")
+            self.local_optimizer.build(self.local_variables)
+        self.commits = agn.commits
+        self.local_steps = agn.local_steps
 
     def scale_loss(self, loss):
         """The loss the local steps' gradients are taken of."""
-        return self._local_optimizer.scale_loss(loss)
+        return self.local_optimizer.scale_loss(loss)
 
     # ------------------------------------------------------------ the round
     def pull(self):
         """Resets the worker's local copy to the center, accumulators to 0."""
-        reset(self.agn, self._local, self._center, self._accumulators)
+        reset(self.agn, self.local_variables, self.center_variables, self.accumulators)
 
     def local_update(self, grads):
         """One local step on the worker; accumulates its unscaled gradient.
@@ -172,9 +153,9 @@ class ParameterServerAGN:
         """
         return local_step(
             self.agn,
-            self._local_optimizer,
-            self._local,
-            self._accumulators,
+            self.local_optimizer,
+            self.local_variables,
+            self.accumulators,
             list(grads),
         )
 
@@ -189,10 +170,10 @@ class ParameterServerAGN:
         """
         agn = self.agn
         period = self.communication_period
-        center = self._center
-        center_optimizer = self._center_optimizer
+        center = self.center_variables
+        center_optimizer = self.center_optimizer
         # Read and normalized on the worker: one tensor per variable travels.
-        grads = normalized(self._accumulators, period)
+        grads = normalized(self.accumulators, period)
 
         def critical():
             center_optimizer.apply(grads, center)

@@ -25,6 +25,7 @@ TASK_TYPES = ("chief", "worker", "ps")
 """Task types of a parameter-server cluster, in launch order of importance."""
 
 _LOCAL_HOSTS = ("localhost", "ip6-localhost")
+_LOOPBACK = "<loopback>"
 
 
 class TFConfigError(ValueError):
@@ -78,17 +79,9 @@ class TFConfig:
         )
 
     def for_task(self, task_type, task_index):
-        """The same cluster seen from another task."""
-        return parse_tf_config(
-            json.dumps(
-                {
-                    "cluster": self.cluster,
-                    "task": {"type": task_type, "index": task_index},
-                    "rpc_layer": self.rpc_layer,
-                }
-            ),
-            mode=self.mode,
-        )
+        """The same cluster seen from another task (validated again)."""
+        other = dataclasses.replace(self, task_type=task_type, task_index=task_index)
+        return parse_tf_config(other.to_json(), mode=self.mode)
 
 
 def _short(text, limit=300):
@@ -127,27 +120,54 @@ def split_address(address):
 
 def is_local_address(address):
     """Whether `"host:port"` names this machine's loopback interface."""
-    host, _ = split_address(address)
-    if host.lower() in _LOCAL_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return _socket_key(*split_address(address))[0] == _LOOPBACK
 
 
 def _socket_key(host, port):
     # On one machine `localhost:2002` and `127.0.0.1:2002` are one socket:
     # every loopback name counts as the same host (names are case-blind).
     host = host.lower()
-    if host in _LOCAL_HOSTS:
-        return ("<loopback>", port)
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return ("<loopback>", port)
+        loopback = host in _LOCAL_HOSTS or ipaddress.ip_address(host).is_loopback
     except ValueError:
-        pass
-    return (host, port)
+        loopback = False
+    return (_LOOPBACK if loopback else host, port)
+
+
+def _address_list(task_type, addresses):
+    """A cluster entry as a non-empty list (TF also accepts {"0": "h:p"})."""
+    if isinstance(addresses, dict):
+        try:
+            keys = sorted(addresses, key=int)
+        except (TypeError, ValueError):
+            raise TFConfigError(
+                f"Cluster entry '{task_type}' given as an object must use "
+                f"integer indices. Received: {_short(addresses)!r}"
+            ) from None
+        if [int(k) for k in keys] != list(range(len(keys))):
+            raise TFConfigError(
+                f"Cluster entry '{task_type}' must number its tasks 0..n-1. "
+                f"Received indices: {keys}"
+            )
+        addresses = [addresses[k] for k in keys]
+    if not isinstance(addresses, list) or not addresses:
+        raise TFConfigError(
+            f"Cluster entry '{task_type}' must be a non-empty list of "
+            f"'host:port' strings. Received: {_short(addresses)!r}"
+        )
+    return list(addresses)
+
+
+def _claim_sockets(seen, task_type, addresses):
+    """Records each address's socket in `seen`; raises on one used twice."""
+    for index, address in enumerate(addresses):
+        key = _socket_key(*split_address(address))
+        if key in seen:
+            raise TFConfigError(
+                f"Address {address!r} is used by both {seen[key]} and "
+                f"{task_type}:{index}."
+            )
+        seen[key] = f"{task_type}:{index}"
 
 
 def validate_cluster(cluster, mode="ps"):
@@ -193,47 +213,17 @@ def validate_cluster(cluster, mode="ps"):
                 f"The cluster has no '{task_type}' task; parameter-server training "
                 "needs one 'chief', at least one 'worker' and at least one 'ps'."
             )
-        if isinstance(addresses, dict):
-            # TF also accepts {"0": "host:port", ...}; keep the index order.
-            try:
-                keys = sorted(addresses, key=int)
-            except (TypeError, ValueError):
-                raise TFConfigError(
-                    f"Cluster entry '{task_type}' given as an object must use "
-                    f"integer indices. Received: {_short(addresses)!r}"
-                ) from None
-            if [int(k) for k in keys] != list(range(len(keys))):
-                raise TFConfigError(
-                    f"Cluster entry '{task_type}' must number its tasks 0..n-1. "
-                    f"Received indices: {keys}"
-                )
-            addresses = [addresses[k] for k in keys]
-        if not isinstance(addresses, list) or not addresses:
-            raise TFConfigError(
-                f"Cluster entry '{task_type}' must be a non-empty list of "
-                f"'host:port' strings. Received: {_short(addresses)!r}"
-            )
-        for index, address in enumerate(addresses):
-            host, port = split_address(address)
-            key = _socket_key(host, port)
-            if key in seen:
-                raise TFConfigError(
-                    f"Address {address!r} is used by both {seen[key]} and "
-                    f"{task_type}:{index}."
-                )
-            seen[key] = f"{task_type}:{index}"
-        normalized[task_type] = list(addresses)
-    if mode == "sync":
-        if len(normalized.get("chief", [])) > 1:
-            raise TFConfigError(
-                "The cluster may have at most one 'chief'. "
-                f"Received {len(normalized['chief'])}."
-            )
-        return normalized
-    if len(normalized["chief"]) != 1:
+        normalized[task_type] = _address_list(task_type, addresses)
+        _claim_sockets(seen, task_type, normalized[task_type])
+    chiefs = len(normalized.get("chief", []))
+    if mode == "sync" and chiefs > 1:
+        raise TFConfigError(
+            f"The cluster may have at most one 'chief'. Received {chiefs}."
+        )
+    if mode == "ps" and chiefs != 1:
         raise TFConfigError(
             "The cluster must have exactly one 'chief' (it runs the coordinator). "
-            f"Received {len(normalized['chief'])}."
+            f"Received {chiefs}."
         )
     return normalized
 
@@ -258,6 +248,19 @@ def parse_tf_config(text=None, environ=None, mode="ps"):
             `cluster` or `task`, names a task type that does not exist, or an
             index that is not a JSON int (the string "0" too) or out of range.
     """
+    config, text = _read_json(text, environ)
+    cluster = validate_cluster(config["cluster"], mode)
+    task_type, task_index = _task_of(config.get("task"), cluster)
+    rpc_layer = config.get("rpc_layer", "grpc") or "grpc"
+    if rpc_layer != "grpc":
+        raise TFConfigError(
+            f"`rpc_layer` must be 'grpc'. Received: rpc_layer={rpc_layer!r}"
+        )
+    return TFConfig(cluster, task_type, task_index, rpc_layer, mode)
+
+
+def _read_json(text, environ):
+    """`(object, text)` of a `TF_CONFIG` with a cluster (`environ`'s if None)."""
     if text is None:
         environ = os.environ if environ is None else environ
         text = environ.get("TF_CONFIG")
@@ -283,8 +286,11 @@ def parse_tf_config(text=None, environ=None, mode="ps"):
         raise TFConfigError(
             f"TF_CONFIG has no 'cluster'. Received: TF_CONFIG={_short(text)!r}"
         )
-    cluster = validate_cluster(config["cluster"], mode)
-    task = config.get("task")
+    return config, text
+
+
+def _task_of(task, cluster):
+    """`(task_type, task_index)` of TF_CONFIG's `task`, checked against `cluster`."""
     if not isinstance(task, dict) or "type" not in task:
         raise TFConfigError(
             "TF_CONFIG must have a 'task' object with a 'type' and an 'index'. "
@@ -313,9 +319,4 @@ def parse_tf_config(text=None, environ=None, mode="ps"):
             f"`task.index` must be an int in [0, {len(cluster[task_type])}) for "
             f"task type {task_type!r}. Received: index={task_index!r}"
         )
-    rpc_layer = config.get("rpc_layer", "grpc") or "grpc"
-    if rpc_layer != "grpc":
-        raise TFConfigError(
-            f"`rpc_layer` must be 'grpc'. Received: rpc_layer={rpc_layer!r}"
-        )
-    return TFConfig(cluster, task_type, task_index, rpc_layer, mode)
+    return task_type, task_index

@@ -9,7 +9,6 @@ The AGN itself keeps the checkpointed center side; the trainer wraps it in a
 """
 
 import contextlib
-import logging
 import os
 import re
 import socket
@@ -20,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
-from tf_lars.distribute.cluster import log_tensorflow_records_once
+from tf_lars.distribute.logs import log_tensorflow_records_once, relay_worker_events
 from tf_lars.distribute.ps_agn import ParameterServerAGN, check_strategy_and_agn
 from tf_lars.distribute.tf_config import split_address
 
@@ -63,14 +62,8 @@ class ParameterServerFailure(RuntimeError):
 # recognized by the error's type (its status code), as TensorFlow's own
 # coordinator does; only the message says *which* task was lost: the task name
 # when the error was raised by the remote task, else the address it could not
-# reach. The same holds for the coordinator's worker events, which are only
-# log records (the coordinator reschedules a failed worker's closures itself
-# and tells the caller nothing else).
+# reach (read from TensorFlow 2.21).
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
-_WORKER_EVENT = re.compile(
-    r"Worker (/job:worker/replica:\d+/task:\d+) "
-    r"(?:failed with (\w+)|has been (recovered))"
-)
 
 
 def _error_chain(error):
@@ -141,57 +134,6 @@ def _unreachable_ps_task(cluster, timeout=2.0):
     return None
 
 
-class _WorkerEvents(logging.Filter):
-    """Relays the coordinator's worker failure and recovery log records.
-
-    Installed as a filter on TensorFlow's logger: it sees every record first,
-    reports the ones about workers, and drops the INFO records that the
-    logger's previous level would have dropped anyway.
-    """
-
-    def __init__(self, log, previous_level):
-        super().__init__()
-        self._log = log
-        self._previous_level = previous_level
-        self._reported = set()
-
-    def filter(self, record):
-        try:
-            match = _WORKER_EVENT.search(record.getMessage())
-        except Exception:  # noqa: BLE001 - a logging filter must not raise
-            return True
-        if match:
-            worker, error_name, recovered = match.groups()
-            # The coordinator logs each event from more than one place.
-            key = (worker, bool(recovered), int(record.created))
-            if key not in self._reported:
-                self._reported.add(key)
-                if recovered:
-                    self._log(f"[agn] worker {worker} recovered and rejoined")
-                else:
-                    self._log(
-                        f"[agn] worker {worker} failed ({error_name}); "
-                        "its round is rescheduled, the other workers go on"
-                    )
-        return record.levelno >= self._previous_level
-
-
-@contextlib.contextmanager
-def _relay_worker_events(log):
-    logger = tf.get_logger()
-    own_level = logger.level
-    previous_level = logger.getEffectiveLevel()
-    events = _WorkerEvents(log, previous_level)
-    logger.addFilter(events)
-    # "has been recovered" is an INFO record; it must be created to be seen.
-    logger.setLevel(min(previous_level, logging.INFO))
-    try:
-        yield
-    finally:
-        logger.removeFilter(events)
-        logger.setLevel(own_level)
-
-
 class ParameterServerTrainer:
     """Trains a Keras model with `tf_lars.AGN` on `ParameterServerStrategy`.
 
@@ -205,12 +147,10 @@ class ParameterServerTrainer:
     commit:   center <- inner_center.update(center, a / period)  (one push)
     ```
 
-    `ClusterCoordinator` re-runs a round on another worker if its worker
-    fails, so at most one round per failure is committed twice; a worker that
-    never returns leaves its share to the others. The center variables and
-    the optimizer state are checkpointed with `tf.train.Checkpoint` every
-    `checkpoint_every` commits; a new trainer pointed at the same directory
-    restores the latest checkpoint and continues to the same target.
+    The center and the optimizer state are checkpointed every
+    `checkpoint_every` commits; a trainer on the same directory resumes.
+    Failures and how the rounds map onto TensorFlow:
+    docs/guides/parameter-servers.md.
 
     Args:
         model: `keras.Model` created under `strategy.scope()` (its variables
@@ -270,10 +210,10 @@ class ParameterServerTrainer:
             raise ValueError(
                 f"`dataset_fn` must be callable. Received: dataset_fn={dataset_fn!r}"
             )
-        for name, value in (
-            ("checkpoint_every", checkpoint_every),
-            ("max_to_keep", max_to_keep),
-        ):
+        for name, value in {
+            "checkpoint_every": checkpoint_every,
+            "max_to_keep": max_to_keep,
+        }.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"`{name}` must be an int >= 1. Received: {name}={value!r}"
@@ -306,17 +246,18 @@ class ParameterServerTrainer:
             self.manager = tf.train.CheckpointManager(
                 self.checkpoint, checkpoint_dir, max_to_keep=max_to_keep
             )
-            if self.manager.latest_checkpoint:
-                with self._ps_failures():
-                    self.checkpoint.restore(
-                        self.manager.latest_checkpoint
-                    ).assert_existing_objects_matched()
-                    self.restored_commits = int(optimizer.commits.numpy())
-                self._log(
-                    f"[agn] restored {self.manager.latest_checkpoint} "
-                    f"(commit {self.restored_commits})"
-                )
+            self._restore()
         self._round = self._trace_round()
+
+    def _restore(self):
+        """Restores the latest checkpoint, if any."""
+        latest = self.manager.latest_checkpoint
+        if not latest:
+            return
+        with self._ps_failures():
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            self.restored_commits = int(self.optimizer.commits.numpy())
+        self._log(f"[agn] restored {latest} (commit {self.restored_commits})")
 
     # ------------------------------------------------------------- the round
     def _round_dataset(self, input_context):
@@ -335,14 +276,7 @@ class ParameterServerTrainer:
             num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
         )
 
-        element_spec = self._round_dataset(input_context).element_spec
-        for spec in tf.nest.flatten(element_spec):
-            if spec.shape.rank is None or spec.shape.rank < 2 or spec.shape[1] is None:
-                raise ValueError(
-                    "`dataset_fn` must yield batches of a fixed size (use "
-                    "`dataset.batch(batch_size, drop_remainder=True)`). "
-                    f"Received element_spec={element_spec}"
-                )
+        element_spec = _fixed_batches(self._round_dataset(input_context).element_spec)
 
         def local_round(xs, ys, non_trainable_values):
             total = tf.constant(0.0, tf.float32)
@@ -434,73 +368,32 @@ class ParameterServerTrainer:
         Raises:
             ParameterServerFailure: a parameter server became unavailable.
         """
+        target = self._target_commits(steps_per_worker, rounds)
         period = self.optimizer.communication_period
-        if (steps_per_worker is None) == (rounds is None):
-            raise ValueError(
-                "Pass exactly one of `steps_per_worker` and `rounds`. Received: "
-                f"steps_per_worker={steps_per_worker!r}, rounds={rounds!r}"
-            )
-        if steps_per_worker is not None:
-            if (
-                isinstance(steps_per_worker, bool)
-                or not isinstance(steps_per_worker, int)
-                or steps_per_worker < period
-                or steps_per_worker % period
-            ):
-                raise ValueError(
-                    "`steps_per_worker` must be a positive multiple of "
-                    f"`communication_period` ({period}). "
-                    f"Received: steps_per_worker={steps_per_worker!r}"
-                )
-            target = self.num_workers * steps_per_worker // period
-        else:
-            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-                raise ValueError(
-                    f"`rounds` must be an int >= 1. Received: rounds={rounds!r}"
-                )
-            target = rounds
-
-        agn = self.optimizer
-        history = {"losses": [], "target_commits": target}
         with self._ps_failures():
-            commits = int(agn.commits.numpy())
-        history["restored_commits"] = commits
-        start_commits = commits
-        start = time.perf_counter()
-        last_saved = commits
+            commits = int(self.optimizer.commits.numpy())
+        history = {"losses": [], "target_commits": target, "restored_commits": commits}
+        start_commits, start = commits, time.perf_counter()
         self._log(
             f"[agn] training to {target} commits ({target * period} local steps, "
             f"period {period}, {self.num_workers} workers); "
             f"starting at commit {commits}"
         )
-        with _relay_worker_events(self._log), self._ps_failures():
+        with relay_worker_events(self._log), self._ps_failures():
             while commits < target:
+                last_saved = commits
                 count = min(self.checkpoint_every, target - commits)
-                results = [
-                    self.coordinator.schedule(self._round, args=(self._iterator,))
-                    for _ in range(count)
-                ]
-                self.coordinator.join()
-                losses = [float(r.fetch()[0]) for r in results]
-                commits = int(agn.commits.numpy())
-                steps = int(agn.local_steps.numpy())
+                commits = self._train_interval(count)
                 elapsed = time.perf_counter() - start
-                mean_loss = float(np.mean(losses))
-                history["losses"].append(mean_loss)
+                history["losses"].append(self._last_loss)
                 rate = (commits - start_commits) / max(elapsed, 1e-9)
                 self._log(
-                    f"[agn] commits {commits}/{target} | local steps {steps} | "
-                    f"loss {mean_loss:.4f} | {rate:.1f} commits/s | {elapsed:.1f}s"
+                    f"[agn] commits {commits}/{target} | local steps "
+                    f"{self._last_steps} | loss {self._last_loss:.4f} | "
+                    f"{rate:.1f} commits/s | {elapsed:.1f}s"
                 )
-                if self.manager is not None and (
-                    commits // self.checkpoint_every
-                    > last_saved // self.checkpoint_every
-                    or commits >= target
-                ):
-                    path = self.manager.save(checkpoint_number=commits)
-                    last_saved = commits
-                    self._log(f"[agn] checkpoint saved: {path} (commit {commits})")
-            steps = int(agn.local_steps.numpy())
+                self._maybe_save(last_saved, commits, target)
+            steps = int(self.optimizer.local_steps.numpy())
         seconds = time.perf_counter() - start
         per_worker = self.worker_local_steps()
         self._log(
@@ -515,6 +408,53 @@ class ParameterServerTrainer:
             commits_per_second=(commits - start_commits) / max(seconds, 1e-9),
         )
         return history
+
+    def _target_commits(self, steps_per_worker, rounds):
+        period = self.optimizer.communication_period
+        if (steps_per_worker is None) == (rounds is None):
+            raise ValueError(
+                "Pass exactly one of `steps_per_worker` and `rounds`. Received: "
+                f"steps_per_worker={steps_per_worker!r}, rounds={rounds!r}"
+            )
+        if rounds is not None:
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+                raise ValueError(
+                    f"`rounds` must be an int >= 1. Received: rounds={rounds!r}"
+                )
+            return rounds
+        if (
+            isinstance(steps_per_worker, bool)
+            or not isinstance(steps_per_worker, int)
+            or steps_per_worker < period
+            or steps_per_worker % period
+        ):
+            raise ValueError(
+                "`steps_per_worker` must be a positive multiple of "
+                f"`communication_period` ({period}). "
+                f"Received: steps_per_worker={steps_per_worker!r}"
+            )
+        return self.num_workers * steps_per_worker // period
+
+    def _train_interval(self, count):
+        """Schedules `count` rounds and waits for them; the commits after."""
+        results = [
+            self.coordinator.schedule(self._round, args=(self._iterator,))
+            for _ in range(count)
+        ]
+        self.coordinator.join()
+        self._last_loss = float(np.mean([float(r.fetch()[0]) for r in results]))
+        self._last_steps = int(self.optimizer.local_steps.numpy())
+        return int(self.optimizer.commits.numpy())
+
+    def _maybe_save(self, last_saved, commits, target):
+        """Saves a checkpoint when `commits` crossed a multiple of
+        `checkpoint_every` since `last_saved`, or reached the target."""
+        every = self.checkpoint_every
+        if self.manager is not None and (
+            commits // every > last_saved // every or commits >= target
+        ):
+            path = self.manager.save(checkpoint_number=commits)
+            self._log(f"[agn] checkpoint saved: {path} (commit {commits})")
 
     def worker_local_steps(self):
         """Local steps each worker has taken since its variables were created.
@@ -571,6 +511,18 @@ class ParameterServerTrainer:
         if not np.isnan(total_correct):
             metrics["accuracy"] = total_correct / count
         return metrics
+
+
+def _fixed_batches(element_spec):
+    """`element_spec` of a round's dataset, checked for a fixed batch size."""
+    for spec in tf.nest.flatten(element_spec):
+        if spec.shape.rank is None or spec.shape.rank < 2 or spec.shape[1] is None:
+            raise ValueError(
+                "`dataset_fn` must yield batches of a fixed size (use "
+                "`dataset.batch(batch_size, drop_remainder=True)`). "
+                f"Received element_spec={element_spec}"
+            )
+    return element_spec
 
 
 def checkpoint_commits(path):
