@@ -968,3 +968,17 @@ def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
         "tf-lars train: error: `optimizer.class_name` must name a Keras optimizer "
         "(e.g. LARS, SGD, Adam). Received: optimizer.class_name='Foo'"
     ]
+
+
+def test_optimizer_blocks_build_the_class_they_name():
+    # Keras's deserializer reads the name of any of its own optimizers in
+    # any case: a release that lists its `Lamb` there must not build it for
+    # "LAMB".
+    for class_name, cls in (
+        ("LAMB", tf_lars.LAMB),
+        ("Lamb", keras.optimizers.Lamb),
+        ("LARS", tf_lars.LARS),
+        ("SGD", keras.optimizers.SGD),
+    ):
+        optimizer = optimizer_from_block({"class_name": class_name, "config": {}})
+        assert type(optimizer) is cls, class_name

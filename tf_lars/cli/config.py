@@ -491,7 +491,7 @@ def validate_config(command, config):
 
 # ---------------------------------------------------------------- optimizers
 OptimizerSpec = collections.namedtuple(
-    "OptimizerSpec", ["cls", "class_name", "arguments", "learning_rate", "key"]
+    "OptimizerSpec", ["cls", "arguments", "learning_rate", "key"]
 )
 OptimizerSpec.__doc__ = """A checked optimizer block, ready to build.
 
@@ -607,7 +607,7 @@ def optimizer_spec(block, key="optimizer"):
             raise ConfigError(f"`{full}` {rule}. {_show(full, value)}", key=full)
     arguments = copy.deepcopy(block["config"])
     learning_rate = arguments.pop("learning_rate", parameters.get("learning_rate"))
-    return OptimizerSpec(cls, block["class_name"], arguments, learning_rate, key)
+    return OptimizerSpec(cls, arguments, learning_rate, key)
 
 
 def learning_rate_schedule(serialized, key="optimizer.config.learning_rate"):
@@ -649,11 +649,13 @@ def build_optimizer(spec, learning_rate=None):
     arguments = copy.deepcopy(spec.arguments)
     if learning_rate is not None:
         arguments["learning_rate"] = learning_rate
-    serialized = {"class_name": spec.class_name, "config": arguments}
+    # By the registered name ("tf_lars>LAMB"): Keras's deserializer takes the
+    # name of any of its own optimizers in any case, so "LAMB" could be read
+    # as a Keras built-in of that name.
+    name = keras.saving.get_registered_name(spec.cls)
+    serialized = {"class_name": name, "config": arguments}
     try:
-        return keras.optimizers.deserialize(
-            serialized, custom_objects={spec.class_name: spec.cls}
-        )
+        return keras.optimizers.deserialize(serialized, custom_objects={name: spec.cls})
     except (ValueError, TypeError) as error:
         raise ConfigError(
             f"`{spec.key}.config`: {_one_line(error)}", key=f"{spec.key}.config"
