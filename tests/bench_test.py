@@ -1,8 +1,48 @@
-"""The benchmark runs end to end (tiny sizes). It asserts output, never timings."""
+"""The benchmark runs end to end (tiny sizes). It asserts output, never timings.
 
+`benchmarks/bench.py` is a script of the source checkout, not a module of
+the package: it is loaded from its path here.
+"""
+
+import importlib.util
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
-from tf_lars.cli import bench
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench.py"
+_SPEC = importlib.util.spec_from_file_location("bench", SCRIPT)
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+
+def test_script_help_runs_from_a_checkout_without_tensorflow(tmp_path):
+    # No PYTHONPATH: the script finds the checkout's tf_lars by itself.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(SCRIPT)!r}, '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        "except SystemExit as exit_request:\n"
+        "    print('CODE', exit_request.code, 'TENSORFLOW', 'tensorflow' in "
+        "sys.modules)\n"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.startswith("usage: bench.py [-h] [--repeats REPEATS]")
+    assert "--tf-log" in process.stdout and "--fit-jit {off,on,both}" in process.stdout
+    assert process.stdout.rstrip().endswith("CODE 0 TENSORFLOW False")
+    assert process.stderr == ""
 
 
 def test_bench_runs_every_part_and_prints_tables(capsys):

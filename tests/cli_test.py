@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import tomllib
-import types
 
 import keras
 import matplotlib.image
@@ -816,35 +815,16 @@ def test_sweep_end_to_end_in_two_processes(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ bench
-def test_bench_forwards_arguments_and_exit_code(monkeypatch, capsys):
-    calls = []
-    fake = types.ModuleType("tf_lars.cli.bench")
-
-    def fake_main(argv):
-        calls.append(argv)
-        print("| optimizer | ms |")
-        return 3
-
-    fake.main = fake_main
-    monkeypatch.setitem(sys.modules, "tf_lars.cli.bench", fake)
-    monkeypatch.setattr(tf_lars.cli, "bench", fake, raising=False)
-    code, out, _ = _run(capsys, "bench", "--steps", "5", "--sparse")
-    assert code == 3
-    assert calls == [["--steps", "5", "--sparse"]]
-    assert "| optimizer | ms |" in out
-    # The global --tf-log reaches the bench as its own option.
-    code, _, _ = _run(capsys, "--tf-log", "bench", "--repeats", "2")
-    assert code == 3
-    assert calls[-1] == ["--tf-log", "--repeats", "2"]
-
-
-def test_bench_missing_module_is_a_clean_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tf_lars.cli.bench", None)
-    monkeypatch.delattr(tf_lars.cli, "bench", raising=False)
-    code, _, err = _run(capsys, "bench")
-    _assert_one_line_error(
-        code, err, "bench", "tf_lars.cli.bench is not part of this installation"
+def test_bench_is_not_a_command_of_the_installed_command_line(capsys):
+    # The step benchmarks are benchmarks/bench.py of a source checkout.
+    code, out, err = _run(capsys, "bench", "--repeats", "2")
+    assert code == 2
+    assert out == ""
+    assert err.splitlines()[-1] == (
+        "tf-lars: error: argument COMMAND: invalid choice: 'bench' "
+        "(choose from 'train', 'sweep')"
     )
+    assert "Traceback" not in err
 
 
 # ------------------------------------------------- console script, TF logs
@@ -871,10 +851,7 @@ HELP_PROBE = textwrap.dedent(
     import sys
     sys.argv = ["/usr/bin/tf-lars", *ARGS]
     from tf_lars.cli.main import main
-    try:
-        code = main()
-    except SystemExit as exit_request:  # the bench's own argparse
-        code = exit_request.code
+    code = main()
     heavy = sorted(m for m in ("tensorflow", "keras", "numpy") if m in sys.modules)
     print("CODE", code, "HEAVY", heavy)
     """
@@ -887,7 +864,6 @@ HELP_PROBE = textwrap.dedent(
         ([], "usage: tf-lars [-h] [--tf-log] COMMAND"),
         (["train"], "usage: tf-lars train [-h] [--config FILE] [--set KEY=VALUE]"),
         (["sweep"], "usage: tf-lars sweep [-h] [--config FILE] [--set KEY=VALUE]"),
-        (["bench"], "usage: tf-lars bench [-h] [--repeats REPEATS]"),
     ],
 )
 def test_help_does_not_import_tensorflow(args, expected, tmp_path):
@@ -992,3 +968,17 @@ def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
         "tf-lars train: error: `optimizer.class_name` must name a Keras optimizer "
         "(e.g. LARS, SGD, Adam). Received: optimizer.class_name='Foo'"
     ]
+
+
+def test_optimizer_blocks_build_the_class_they_name():
+    # Keras's deserializer reads the name of any of its own optimizers in
+    # any case: a release that lists its `Lamb` there must not build it for
+    # "LAMB".
+    for class_name, cls in (
+        ("LAMB", tf_lars.LAMB),
+        ("Lamb", keras.optimizers.Lamb),
+        ("LARS", tf_lars.LARS),
+        ("SGD", keras.optimizers.SGD),
+    ):
+        optimizer = optimizer_from_block({"class_name": class_name, "config": {}})
+        assert type(optimizer) is cls, class_name

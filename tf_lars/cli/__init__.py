@@ -1,8 +1,8 @@
-"""The `tf-lars` command line (`pip install ".[cli]"`): train, sweep, bench.
+"""The `tf-lars` command line (`pip install ".[cli]"`): train, sweep.
 
 Modules: `main` (the argparse entry, `tf-lars = tf_lars.cli.main:main`),
-`config` (YAML defaults, merging, pydantic validation), `data`, `train`,
-`sweep`, `plots` and `bench`. Only `main` and this module load for
+`config` (YAML defaults, merging, pydantic validation), `preflight`, `data`,
+`train`, `sweep` and `plots`. Only `main` and this module load for
 `tf-lars --help`: neither imports TensorFlow. A command calls
 `set_tensorflow_log_level` and then `import_tensorflow` before anything else.
 

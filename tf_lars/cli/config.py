@@ -6,21 +6,27 @@ overrides applied, then the whole tree validated once. Every problem is a
 `ConfigError` whose one-line message names the dotted key, the rule and the
 received value.
 
-The validation is a pydantic (v2) model per command: pydantic is well kept
-and typed, `extra="forbid"` refuses unknown keys, strict types refuse
-`true` for an int or `"3"` for a number, and its errors carry the precise
-location of each value, which `_message` turns into the dotted key. Each
-leaf type carries its rule text (e.g. "must be an int >= 1"), so the message
-is the same whatever pydantic's own wording. The optimizer block is checked
-for shape only: its `config` can only be validated by deserializing it,
-which `optimizer_from_block` does once, when the command builds the
-optimizer it trains with.
+The defaults are the commented YAML files rather than pydantic field
+defaults: each key's comment there is its documentation. The validation is a
+pydantic (v2) model per command: `extra="forbid"` refuses unknown keys,
+strict types refuse `true` for an int or `"3"` for a number, and each error's
+location becomes the dotted key. The one departure from pydantic's own
+messages: each leaf type carries its rule text (e.g. "must be an int >= 1"),
+the wording every message has had.
+
+The optimizer block is checked for shape here, then once, in one forward
+pass, when a command builds its optimizer: `optimizer_spec` checks the class
+and the argument names and types against the constructor (constructors check
+ranges, not always types) and reads the learning rate; `build_optimizer`
+builds it with `keras.optimizers.deserialize`, the constructor checking the
+values.
 
 Two rules on merging: an `optimizer` block given by the user replaces the
 default one as a whole (its `config` holds one optimizer class's constructor
 arguments, which do not mix with another class's), and lists replace lists.
 """
 
+import collections
 import copy
 import datetime
 import importlib.resources
@@ -46,8 +52,9 @@ __all__ = [
     "default_config_path",
     "dump_config",
     "load_config",
+    "build_optimizer",
     "optimizer_from_block",
-    "resolve_optimizer_class",
+    "optimizer_spec",
 ]
 
 
@@ -268,7 +275,7 @@ class OptimizerBlock(_Block):
     constructor's defaults. `module` and `registered_name` (present in
     `keras.saving.serialize_keras_object` output) are accepted and used to
     find the class. `config` is checked when the optimizer is built
-    (`optimizer_from_block`).
+    (`optimizer_spec`, `build_optimizer`).
     """
 
     class_name: Annotated[
@@ -451,26 +458,6 @@ def _message(schema, error):
     return f"`{key}`: {error['msg']}. {_show(key, error.get('input'))}"
 
 
-def _order(schema, error):
-    """DFS order of the old checks: in each block, unknown keys come first."""
-    order = []
-    node = schema
-    for part in error["loc"]:
-        if isinstance(part, int):
-            order.append(part)
-            node = _model_of(typing.get_args(node)[0])
-        elif isinstance(node, type) and issubclass(node, BaseModel):
-            names = list(node.model_fields)
-            if part not in names:
-                order.append(-1)
-                break
-            order.append(names.index(part))
-            node = _model_of(node.model_fields[part].annotation)
-        else:
-            break
-    return order
-
-
 def validate_config(command, config):
     """Validates a config dict of `command`; returns it as a plain dict.
 
@@ -483,7 +470,8 @@ def validate_config(command, config):
         floats, every optimizer block with a `config` mapping.
 
     Raises:
-        ConfigError: the first problem, in the order of the keys.
+        ConfigError: the first problem: an unknown key, else the first
+            refused value in the order of the keys.
 
     Example:
 
@@ -495,31 +483,33 @@ def validate_config(command, config):
     try:
         return schema.model_validate(config).model_dump()
     except ValidationError as error:
-        first = min(error.errors(), key=lambda e: _order(schema, e))
+        # Pydantic lists a block's unknown keys after its fields; a misspelt
+        # key explains the rest, so it is reported first.
+        first = min(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
         raise ConfigError(_message(schema, first), key=tuple(first["loc"])) from None
 
 
 # ---------------------------------------------------------------- optimizers
-def resolve_optimizer_class(block, key="optimizer"):
-    """The optimizer class named by an optimizer block.
+OptimizerSpec = collections.namedtuple(
+    "OptimizerSpec", ["cls", "arguments", "learning_rate", "key"]
+)
+OptimizerSpec.__doc__ = """A checked optimizer block, ready to build.
 
-    Args:
-        block: dict with `class_name` (and maybe `registered_name`).
-        key: str, the block's dotted key, for error messages.
+`arguments` are the block's constructor arguments but the learning rate;
+`learning_rate` is the block's (a number, or a serialized schedule) or,
+when the block gives none, the constructor's default: the one place the
+command line reads it. `key` is the block's dotted key, for messages.
+"""
 
-    Returns:
-        A `keras.optimizers.Optimizer` subclass (not a loss-scale wrapper).
 
-    Raises:
-        ConfigError: no such optimizer, or a loss-scale wrapper.
-    """
+def _optimizer_class(block, key):
+    """The optimizer class an optimizer block names (not a loss-scale wrapper)."""
     import keras
 
     import tf_lars
 
-    names = [block.get("registered_name"), block.get("class_name")]
     candidates = []
-    for name in names:
+    for name in (block.get("registered_name"), block.get("class_name")):
         if not isinstance(name, str):
             continue
         candidates.append(keras.saving.get_registered_object(name))
@@ -568,52 +558,60 @@ def constructor_parameters(cls):
     return parameters
 
 
-def _check_optimizer_arguments(cls, config, key):
+def _argument_rule(name, default, value):
+    """The rule `value` breaks as argument `name` (default `default`), or None.
+
+    The constructors check their values' ranges, not always their types
+    (Keras's `SGD` takes `nesterov=1`); the types of the defaults are the
+    rule here.
+    """
+    if name == "learning_rate":
+        if isinstance(value, dict) or (is_real(value) and math.isfinite(value)):
+            return None
+        return "must be a finite number or a serialized learning-rate schedule"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "must be true or false"
+    if is_real(default):
+        return None if is_real(value) else "must be a number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "must be a string"
+    return None
+
+
+def optimizer_spec(block, key="optimizer"):
+    """Checks an optimizer block's class and argument names and types.
+
+    Args:
+        block: dict, a validated optimizer block.
+        key: str, the block's dotted key, for error messages.
+
+    Returns:
+        An `OptimizerSpec`.
+
+    Raises:
+        ConfigError: no such optimizer, an unknown argument, or a value of
+            the wrong type; naming the key.
+    """
+    cls = _optimizer_class(block, key)
     parameters = constructor_parameters(cls)
-    for name, value in config.items():
-        full = f"{key}.{name}"
+    for name, value in block["config"].items():
+        full = f"{key}.config.{name}"
         if name not in parameters:
             raise ConfigError(
                 f"Unknown config key `{full}`: not an argument of {cls.__name__}. "
                 f"Valid keys: {', '.join(sorted(parameters))}",
                 key=full,
             )
-        default = parameters[name]
-        if name == "learning_rate":
-            if not isinstance(value, dict) and not (
-                is_real(value) and math.isfinite(value)
-            ):
-                raise ConfigError(
-                    f"`{full}` must be a finite number or a serialized "
-                    f"learning-rate schedule. {_show(full, value)}",
-                    key=full,
-                )
-        elif isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ConfigError(
-                    f"`{full}` must be true or false. {_show(full, value)}", key=full
-                )
-        elif is_real(default):
-            if not is_real(value):
-                raise ConfigError(
-                    f"`{full}` must be a number. {_show(full, value)}", key=full
-                )
-        elif isinstance(default, str):
-            if not isinstance(value, str):
-                raise ConfigError(
-                    f"`{full}` must be a string. {_show(full, value)}", key=full
-                )
+        rule = _argument_rule(name, parameters[name], value)
+        if rule is not None:
+            raise ConfigError(f"`{full}` {rule}. {_show(full, value)}", key=full)
+    arguments = copy.deepcopy(block["config"])
+    learning_rate = arguments.pop("learning_rate", parameters.get("learning_rate"))
+    return OptimizerSpec(cls, arguments, learning_rate, key)
 
 
 def learning_rate_schedule(serialized, key="optimizer.config.learning_rate"):
     """Deserializes a learning-rate schedule saved from Python.
-
-    Args:
-        serialized: dict, `keras.optimizers.schedules.serialize(schedule)`.
-        key: str, its dotted key, for the error message.
-
-    Returns:
-        A `keras.optimizers.schedules.LearningRateSchedule`.
 
     Raises:
         ConfigError: it does not load.
@@ -632,25 +630,40 @@ def _one_line(error):
     return " ".join(str(error).split())
 
 
-def optimizer_from_block(block, learning_rate=None, key="optimizer"):
-    """Builds (and so validates) the optimizer of an optimizer block.
-
-    The one check of the block's `config`: its class is resolved, each key
-    is checked against the constructor (unknown keys, and bool, number and
-    string types against the defaults' types), then the constructor's own
-    checks run.
+def build_optimizer(spec, learning_rate=None):
+    """The optimizer of an `OptimizerSpec`, built once by Keras's deserializer.
 
     Args:
-        block: dict, a validated optimizer block.
-        learning_rate: float, schedule or `None`. Replaces the block's
-            `learning_rate` when given.
-        key: str. The block's dotted key, for error messages.
-
-    Returns:
-        The optimizer, a `keras.optimizers.Optimizer`.
+        spec: an `OptimizerSpec`.
+        learning_rate: float or schedule; `None` keeps the spec's own (a
+            serialized schedule is deserialized by Keras).
 
     Raises:
-        ConfigError: naming the key.
+        ConfigError: the constructor refuses a value (its message, naming
+            the block).
+    """
+    import keras
+
+    if learning_rate is None:
+        learning_rate = spec.learning_rate
+    arguments = copy.deepcopy(spec.arguments)
+    if learning_rate is not None:
+        arguments["learning_rate"] = learning_rate
+    # By the registered name ("tf_lars>LAMB"): Keras's deserializer takes the
+    # name of any of its own optimizers in any case, so "LAMB" could be read
+    # as a Keras built-in of that name.
+    name = keras.saving.get_registered_name(spec.cls)
+    serialized = {"class_name": name, "config": arguments}
+    try:
+        return keras.optimizers.deserialize(serialized, custom_objects={name: spec.cls})
+    except (ValueError, TypeError) as error:
+        raise ConfigError(
+            f"`{spec.key}.config`: {_one_line(error)}", key=f"{spec.key}.config"
+        ) from None
+
+
+def optimizer_from_block(block, learning_rate=None, key="optimizer"):
+    """`build_optimizer(optimizer_spec(block, key), learning_rate)`.
 
     Example:
 
@@ -660,21 +673,7 @@ def optimizer_from_block(block, learning_rate=None, key="optimizer"):
     >>> type(optimizer).__name__, float(optimizer.momentum)
     ('SGD', 0.9)
     """
-    cls = resolve_optimizer_class(block, key)
-    config = copy.deepcopy(block["config"])
-    _check_optimizer_arguments(cls, config, f"{key}.config")
-    if learning_rate is not None:
-        config["learning_rate"] = learning_rate
-    elif isinstance(config.get("learning_rate"), dict):
-        config["learning_rate"] = learning_rate_schedule(
-            config["learning_rate"], f"{key}.config.learning_rate"
-        )
-    try:
-        return cls(**config)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(
-            f"`{key}.config`: {_one_line(error)}", key=f"{key}.config"
-        ) from None
+    return build_optimizer(optimizer_spec(block, key), learning_rate)
 
 
 # ---------------------------------------------------------- merge and --set
@@ -690,6 +689,23 @@ def _merge(base, update):
         else:
             result[name] = copy.deepcopy(value)
     return result
+
+
+def _set_key(node, part, key, shown, block):
+    """`part` as a key or list index of `node`, on the way of `--set key`.
+
+    `shown` names `part` when it is not an index of a list `node`, `block`
+    names `node` when it is neither a list nor a mapping.
+    """
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) >= len(node):
+            raise ConfigError(
+                f"`--set {key}`: `{shown}` is not an index into a list of {len(node)}"
+            )
+        return int(part)
+    if not isinstance(node, dict):
+        raise ConfigError(f"`--set {key}`: `{block}` is not a block of keys")
+    return part
 
 
 def apply_overrides(config, overrides):
@@ -724,33 +740,11 @@ def apply_overrides(config, overrides):
         node = config
         for depth, part in enumerate(parts[:-1]):
             where = ".".join(parts[: depth + 1])
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(
-                        f"`--set {key}`: `{where}` is not an index into a list of "
-                        f"{len(node)}"
-                    )
-                node = node[int(part)]
-            elif isinstance(node, dict):
-                node = node.setdefault(part, {})
-            else:
-                raise ConfigError(f"`--set {key}`: `{where}` is not a block of keys")
+            index = _set_key(node, part, key, where, where)
+            node = node.setdefault(index, {}) if isinstance(node, dict) else node[index]
             if node is None:
                 raise ConfigError(f"`--set {key}`: `{where}` is null")
-        last = parts[-1]
-        if isinstance(node, list):
-            if not last.isdigit() or int(last) >= len(node):
-                raise ConfigError(
-                    f"`--set {key}`: `{last}` is not an index into a list of "
-                    f"{len(node)}"
-                )
-            node[int(last)] = value
-        elif isinstance(node, dict):
-            node[last] = value
-        else:
-            raise ConfigError(
-                f"`--set {key}`: `{'.'.join(parts[:-1])}` is not a block of keys"
-            )
+        node[_set_key(node, parts[-1], key, parts[-1], ".".join(parts[:-1]))] = value
     return config
 
 

@@ -1,24 +1,24 @@
-"""The `tf-lars` command line: `train`, `sweep` and `bench`.
+"""The `tf-lars` command line: `train` and `sweep`.
 
 ```
 tf-lars [--tf-log] train [--config FILE] [--set key=value ...]
 tf-lars [--tf-log] sweep [--config FILE] [--set key=value ...]
-tf-lars [--tf-log] bench [bench arguments ...]
 ```
 
 `train` runs one training from a YAML config (the default trains a small
 CNN with LARS on scikit-learn's digits) and writes a run folder. `sweep`
 trains each optimizer of its config (by default SGD-momentum, LARS,
 Nesterov, AdamW and LAMB) across batch sizes and learning rates and prints a
-table of test accuracy. `bench` runs `tf_lars.cli.bench`, the optimizer step
-benchmarks.
+table of test accuracy. The optimizer step benchmarks are not part of the
+installed command line: `python benchmarks/bench.py` runs them from a source
+checkout.
 
 Configuration, data or output-folder problems (and, for a multi-worker
 `train`, a bad `TF_CONFIG`) print one line to stderr and exit with status 2;
 those that need no TensorFlow are found before it is imported. A run folder
 that exists is refused unless `--overwrite` is given. Ctrl-C prints one line
 and exits with status 130, the run folder keeping what finished. See the
-README (section "The `tf-lars` command line") for every config key.
+command-line guide (`docs/guides/cli.md`) for every config key.
 
 `train` runs distributed with the `distribute` config block; two workers on
 one machine:
@@ -45,7 +45,8 @@ _CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn")
 
 _DESCRIPTION = (
     "Large-batch training experiments with tf_lars (LARS for Keras 3): "
-    "train one model, sweep batch sizes, or benchmark optimizer steps."
+    "train one model or sweep batch sizes. (The optimizer step benchmarks are "
+    "benchmarks/bench.py of a source checkout.)"
 )
 _TF_LOG = "--tf-log"
 _TF_LOG_HELP = (
@@ -96,27 +97,12 @@ def _parser():
         command.add_argument(
             _TF_LOG, action="store_true", default=argparse.SUPPRESS, help=_TF_LOG_HELP
         )
-    commands.add_parser(
-        "bench",
-        help="optimizer step benchmarks (tf_lars.cli.bench), printed as a table",
-        add_help=False,
-    )
     return parser
 
 
 def _error(command, message):
     print(f"tf-lars {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
-
-
-def _bench(argv, tf_log):
-    try:
-        from tf_lars.cli import bench
-    except ModuleNotFoundError as error:
-        if error.name not in ("tf_lars.cli.bench",):
-            raise
-        return _error("bench", "tf_lars.cli.bench is not part of this installation")
-    return int(bench.main(([_TF_LOG] if tf_log else []) + list(argv)) or 0)
 
 
 def main(argv=None):
@@ -138,12 +124,6 @@ def main(argv=None):
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `bench` takes its own arguments, unparsed here; global options first.
-    position = 0
-    while position < len(argv) and argv[position] == _TF_LOG:
-        position += 1
-    if position < len(argv) and argv[position] == "bench":
-        return _bench(argv[position + 1 :], tf_log=position > 0)
     try:
         arguments = _parser().parse_args(argv)
     except SystemExit as exit_request:

@@ -100,28 +100,31 @@ def _init_worker(threads):
 
 def run_task(config, task):
     """Trains one grid point; returns a JSON-able result dict."""
+    from tf_lars.cli.config import optimizer_spec
     from tf_lars.cli.data import load_data
-    from tf_lars.cli.train import build_trial, fit_once
+    from tf_lars.cli.train import build_schedule, build_trial, fit_once
 
     key = json.dumps(config["data"], sort_keys=True)
     if key not in _WORKER_DATA:
         _WORKER_DATA[key] = load_data(config["data"])
     data = _WORKER_DATA[key]
+    epochs = config["training"]["epochs"]
+    steps_per_epoch = len(data.x_train) // task["batch_size"]
     trial = build_trial(
         data,
         model_config=config["model"],
-        optimizer_block=task["optimizer"],
-        learning_rate=task["learning_rate"],
-        schedule_config={"name": "warmup_polynomial_decay", **config["schedule"]},
+        optimizer=optimizer_spec(task["optimizer"]),
+        learning_rate=build_schedule(
+            config["schedule"], task["learning_rate"], steps_per_epoch, epochs
+        ),
         batch_size=task["batch_size"],
-        epochs=config["training"]["epochs"],
         seed=config["seed"],
     )
     result = fit_once(
         data,
         trial,
         batch_size=task["batch_size"],
-        epochs=config["training"]["epochs"],
+        epochs=epochs,
         jit_compile=config["training"]["jit_compile"],
         verbose=0,
     )
@@ -202,6 +205,12 @@ def execute(config, tasks, workers, out=print, results=None):
         for done, index in enumerate(order, start=1):
             report(done, index, run_task(config, tasks[index]))
         return results
+    _run_in_pool(config, tasks, order, workers, threads, report)
+    return results
+
+
+def _run_in_pool(config, tasks, order, workers, threads, report):
+    """Runs `tasks` in `order` on spawned processes; reports each result."""
     context = multiprocessing.get_context("spawn")
     # The workers ignore SIGINT (a Ctrl-C reaches the terminal's whole process
     # group): this process handles it and stops them. An ignored signal stays
@@ -221,7 +230,6 @@ def execute(config, tasks, workers, out=print, results=None):
         # On Ctrl-C or an error, the running trainings are stopped at once.
         pool.terminate()
         pool.join()
-    return results
 
 
 def _star_run_indexed(arguments):
@@ -400,7 +408,6 @@ def run_sweep(config, run_dir, out=print, data=None):
         A dict: summary, results (one dict per run), table (Markdown), wall
         (seconds).
     """
-    from tf_lars.cli.config import optimizer_from_block
     from tf_lars.cli.data import load_data
     from tf_lars.cli.plots import plot_sweep
     from tf_lars.cli.preflight import check_sweep
@@ -410,15 +417,7 @@ def run_sweep(config, run_dir, out=print, data=None):
     check_sweep(config, data)
     batch_sizes, factors, tasks = plan(config, len(data.x_train))
     labels = [entry["label"] for entry in config["optimizers"]]
-    # Fail on a bad optimizer config before starting any process: each
-    # optimizer block is deserialized once here (its only check; the workers
-    # build one optimizer per grid point from the same block).
-    for index, entry in enumerate(config["optimizers"]):
-        optimizer_from_block(
-            entry["optimizer"],
-            learning_rate=entry["base_learning_rate"],
-            key=f"optimizers.{index}.optimizer",
-        )
+    _check_optimizers(config)
     workers = config["sweep"]["workers"]
     if workers == "auto":
         workers = available_cores()
@@ -443,6 +442,27 @@ def run_sweep(config, run_dir, out=print, data=None):
     wall = time.perf_counter() - started
     summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
     _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep)
+    _print_table(out, run_dir, epochs, table, wall)
+    return {"summary": summary, "results": results, "table": table, "wall": wall}
+
+
+def _check_optimizers(config):
+    """Builds each optimizer block once, before any process starts.
+
+    Its only check: a bad block fails here; the workers build one optimizer
+    per grid point from the same block.
+    """
+    from tf_lars.cli.config import optimizer_from_block
+
+    for index, entry in enumerate(config["optimizers"]):
+        optimizer_from_block(
+            entry["optimizer"],
+            learning_rate=entry["base_learning_rate"],
+            key=f"optimizers.{index}.optimizer",
+        )
+
+
+def _print_table(out, run_dir, epochs, table, wall):
     out("")
     out(f"Test accuracy (%) after {epochs} epochs; (lr) = peak learning rate used:")
     out(table)
@@ -458,7 +478,6 @@ def run_sweep(config, run_dir, out=print, data=None):
         "sweep.png, config.yaml)"
     )
     sys.stdout.flush()
-    return {"summary": summary, "results": results, "table": table, "wall": wall}
 
 
 def _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep):

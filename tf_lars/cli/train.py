@@ -1,9 +1,11 @@
 """`tf-lars train`, and the one training run it shares with `tf-lars sweep`.
 
 `tf-lars train` and every grid point of `tf-lars sweep` go through
-`build_trial` (seed, model, optimizer: built once, which is also the check of
-the optimizer block) and `fit_once`, so the two commands train exactly the
-same way. `run` is the `train` command: it writes the run folder.
+`build_trial` (seed, model, and the optimizer built once from its checked
+block) and `fit_once`, so the two commands train exactly the same way. `run`
+is the `train` command, one pass: distribution and batch, the learning rate
+resolved once for the global batch (`learning_rate_for`), `build_trial`,
+`fit_once`, then the run folder's files.
 
 `train` also runs distributed (the `distribute` block): `make_distribution`
 creates the strategy, `training.batch_size` is per replica, and the global
@@ -23,15 +25,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars._validation import is_real
 from tf_lars.callbacks import TrustRatioMonitor
 from tf_lars.cli.config import (
     ConfigError,
+    build_optimizer,
     constructor_parameters,
     dump_config,
     learning_rate_schedule,
-    optimizer_from_block,
-    resolve_optimizer_class,
+    optimizer_spec,
 )
 from tf_lars.cli.preflight import (
     INTERRUPTED_NOTE,
@@ -395,86 +396,89 @@ def build_trial(
     data,
     *,
     model_config,
-    optimizer_block,
+    optimizer,
     learning_rate,
-    schedule_config,
     batch_size,
-    epochs,
     seed,
     precision="float32",
     loss_scale_config=None,
-    key="optimizer",
     strategy=None,
 ):
     """Seeds Keras, then builds the model and the optimizer of one run.
 
-    Building the optimizer is the one check of the optimizer block: a bad
-    block raises `ConfigError` here, before anything is written.
-
     Args:
         data: a `Dataset`.
         model_config: the `model` block.
-        optimizer_block: a validated optimizer block.
-        learning_rate: float peak learning rate, a schedule, or `None` to
-            keep the block's own `learning_rate`.
-        schedule_config: the `schedule` block; with a float `learning_rate`
-            and `name` "warmup_polynomial_decay" (or no name) the peak gets
-            a warm-up + polynomial-decay schedule over the run.
+        optimizer: an `OptimizerSpec` (`tf_lars.cli.config.optimizer_spec`),
+            built here once, in the strategy's scope.
+        learning_rate: float or schedule, as the optimizer gets it.
         batch_size: int, the global batch.
-        epochs: int.
         seed: int, seeds the weights (and, in `fit_once`, shuffling).
         precision: a Keras dtype policy name.
         loss_scale_config: the `loss_scale` block or `None`.
-        key: str, the optimizer block's dotted key, for error messages.
         strategy: a `tf.distribute.Strategy` whose scope holds the model and
             the optimizer, or `None`.
 
     Returns:
-        A dict: model, optimizer (wrapped when loss-scaled), learning_rate
-        (float or schedule, as the optimizer got it), steps_per_epoch,
-        precision, loss_scaled (bool), seed.
+        A dict: model, optimizer (wrapped when loss-scaled), learning_rate,
+        batch_size, steps_per_epoch, precision, loss_scaled (bool), seed.
 
     Raises:
-        ConfigError: a bad schedule, optimizer or loss-scale setting.
+        ConfigError: a value the optimizer or the loss scale refuses.
     """
     keras.utils.set_random_seed(seed)
-    steps_per_epoch = len(data.x_train) // batch_size
-    if learning_rate is None and isinstance(
-        optimizer_block["config"].get("learning_rate"), dict
-    ):
-        learning_rate = learning_rate_schedule(
-            optimizer_block["config"]["learning_rate"], f"{key}.config.learning_rate"
-        )
-    if (
-        is_real(learning_rate)
-        and schedule_config.get("name", "warmup_polynomial_decay")
-        == "warmup_polynomial_decay"
-    ):
-        learning_rate = build_schedule(
-            schedule_config, learning_rate, steps_per_epoch, epochs
-        )
+    scaled = loss_scale_config is not None and loss_scale_config["enabled"]
     with _dtype_policy(precision), _scope(strategy):
         model = build_model(model_config, data.x_train.shape[1:], data.num_classes)
-        optimizer = optimizer_from_block(
-            optimizer_block, learning_rate=learning_rate, key=key
-        )
-        scaled = loss_scale_config is not None and loss_scale_config["enabled"]
+        built = build_optimizer(optimizer, learning_rate)
         if scaled:
-            optimizer = wrap_loss_scale(optimizer, loss_scale_config)
-    if learning_rate is None:
-        learning_rate = optimizer_block["config"].get("learning_rate")
-        if learning_rate is None:
-            inner = getattr(optimizer, "inner_optimizer", optimizer)
-            learning_rate = constructor_parameters(type(inner))["learning_rate"]
+            built = wrap_loss_scale(built, loss_scale_config)
     return {
         "model": model,
-        "optimizer": optimizer,
+        "optimizer": built,
         "learning_rate": learning_rate,
-        "steps_per_epoch": steps_per_epoch,
+        "batch_size": batch_size,
+        "steps_per_epoch": len(data.x_train) // batch_size,
         "precision": precision,
         "loss_scaled": scaled,
         "seed": seed,
     }
+
+
+def _fit_inputs(data, trial, batch_size, epochs, strategy):
+    """What `fit` and `evaluate` read: `(batches, steps, validation, train, test)`.
+
+    `steps` is `fit`'s `steps_per_epoch` (None: the dataset's length);
+    `train` and `test` are `evaluate` arguments.
+    """
+    test = _evaluation_data(data.x_test, data.y_test, strategy)
+    train = _evaluation_data(data.x_train, data.y_train, strategy)
+    seed = trial["seed"]
+    if strategy is None:
+        batches = make_dataset(data.x_train, data.y_train, batch_size, seed)
+        return batches, None, (data.x_test, data.y_test), train, test
+    batches, steps = make_distributed_dataset(
+        data.x_train, data.y_train, batch_size, seed, epochs
+    )
+    return batches, steps, test["x"], train, test
+
+
+def _compile(trial, jit_compile, strategy):
+    """Compiles the trial's model with its optimizer (in the strategy's scope)."""
+    model = trial["model"]
+    with _scope(strategy):
+        model.compile(
+            optimizer=trial["optimizer"],
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            jit_compile=jit_compile,
+            auto_scale_loss=trial["loss_scaled"],
+        )
+    if strategy is not None:
+        from tf_lars.distribute import enable_multi_worker_fit
+
+        # Needed under MultiWorkerMirroredStrategy; a no-op otherwise.
+        enable_multi_worker_fit(model)
 
 
 def fit_once(
@@ -503,86 +507,81 @@ def fit_once(
         strategy: the `tf.distribute.Strategy` of `build_trial`, or `None`.
 
     Returns:
-        A dict: model, optimizer (as compiled), history dict, learning_rate
-        (float or schedule), steps_per_epoch, diverged (bool), diverged_epoch,
-        train/test loss and accuracy after training, seconds.
+        A dict: model, optimizer, history dict, learning_rate,
+        steps_per_epoch, diverged (bool), diverged_epoch, train/test loss and
+        accuracy after training, seconds.
     """
     model = trial["model"]
-    optimizer = trial["optimizer"]
-    distributed = strategy is not None
     with _dtype_policy(trial["precision"]):
-        with _scope(strategy):
-            model.compile(
-                optimizer=optimizer,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"],
-                jit_compile=jit_compile,
-                auto_scale_loss=trial["loss_scaled"],
-            )
-        if distributed:
-            from tf_lars.distribute import enable_multi_worker_fit
-
-            # Needed under MultiWorkerMirroredStrategy; a no-op otherwise.
-            enable_multi_worker_fit(model)
-        test_data = _evaluation_data(data.x_test, data.y_test, strategy)
-        train_data = _evaluation_data(data.x_train, data.y_train, strategy)
-        if distributed:
-            train_batches, steps_per_epoch = make_distributed_dataset(
-                data.x_train, data.y_train, batch_size, trial["seed"], epochs
-            )
-        else:
-            train_batches = make_dataset(
-                data.x_train, data.y_train, batch_size, trial["seed"]
-            )
-            steps_per_epoch = None
+        _compile(trial, jit_compile, strategy)
+        batches, steps, validation_data, train_data, test_data = _fit_inputs(
+            data, trial, batch_size, epochs, strategy
+        )
         stopper = _StopOnNonFinite()
         started = time.perf_counter()
         history = model.fit(
-            train_batches,
+            batches,
             epochs=epochs,
-            steps_per_epoch=steps_per_epoch,
-            validation_data=(
-                (test_data["x"] if distributed else (data.x_test, data.y_test))
-                if validation
-                else None
-            ),
+            steps_per_epoch=steps,
+            validation_data=validation_data if validation else None,
             validation_batch_size=test_data.get("batch_size"),
             callbacks=[stopper, *callbacks],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself, every epoch
         )
         seconds = time.perf_counter() - started
-        train_loss, train_accuracy = model.evaluate(**train_data, verbose=0)
-        test_loss, test_accuracy = model.evaluate(**test_data, verbose=0)
-    diverged = stopper.diverged_epoch is not None or not math.isfinite(train_loss)
+        scores = _scores(model, train_data, test_data)
     return {
         "model": model,
-        "optimizer": optimizer,
+        "optimizer": trial["optimizer"],
         "history": dict(history.history),
         "learning_rate": trial["learning_rate"],
         "steps_per_epoch": trial["steps_per_epoch"],
-        "diverged": diverged,
+        "diverged": (
+            stopper.diverged_epoch is not None
+            or not math.isfinite(scores["train_loss"])
+        ),
         "diverged_epoch": stopper.diverged_epoch,
-        "train_loss": float(train_loss),
-        "train_accuracy": float(train_accuracy),
-        "test_loss": float(test_loss),
-        "test_accuracy": float(test_accuracy),
+        **scores,
         "seconds": seconds,
     }
 
 
-def peak_learning_rate(optimizer_block, schedule_config, batch_size):
-    """The learning rate of a train run: its float peak, or a saved schedule.
+def _scores(model, train_data, test_data):
+    """Loss and accuracy on the training and test sets, as floats."""
+    train_loss, train_accuracy = model.evaluate(**train_data, verbose=0)
+    test_loss, test_accuracy = model.evaluate(**test_data, verbose=0)
+    return {
+        "train_loss": float(train_loss),
+        "train_accuracy": float(train_accuracy),
+        "test_loss": float(test_loss),
+        "test_accuracy": float(test_accuracy),
+    }
+
+
+def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
+    """The learning rate a `train` run's optimizer gets, from the block's.
+
+    A float is scaled linearly from `schedule.base_batch_size` to
+    `batch_size` (the global batch) when that is set, then becomes the peak
+    of a warm-up + polynomial decay over the run unless `schedule.name` is
+    none. A serialized schedule is used as it is (then `schedule.name` must
+    be none and `schedule.base_batch_size` null).
+
+    Args:
+        config: a validated train config.
+        learning_rate: the `OptimizerSpec`'s learning rate.
+        batch_size: int, the global batch.
+        steps_per_epoch: int.
 
     Returns:
-        A float, or the deserialized schedule when the block's
-        `learning_rate` is one (then `schedule.name` must be none and
-        `schedule.base_batch_size` null).
+        A float or a `LearningRateSchedule`.
 
     Raises:
-        ConfigError: a schedule with a schedule, or a peak <= 0.
+        ConfigError: a schedule with a schedule, a peak <= 0, a warm-up as
+            long as the run.
     """
-    learning_rate = optimizer_block["config"].get("learning_rate")
+    schedule_config = config["schedule"]
     base_batch_size = schedule_config["base_batch_size"]
     if isinstance(learning_rate, dict):
         if schedule_config["name"] != "none" or base_batch_size is not None:
@@ -592,16 +591,6 @@ def peak_learning_rate(optimizer_block, schedule_config, batch_size):
                 "use it as is"
             )
         return learning_rate_schedule(learning_rate)
-    if learning_rate is None:
-        learning_rate = constructor_parameters(
-            resolve_optimizer_class(optimizer_block)
-        )["learning_rate"]
-    if not (is_real(learning_rate) and math.isfinite(learning_rate)):
-        raise ConfigError(
-            "`optimizer.config.learning_rate` must be a finite number or a "
-            "serialized learning-rate schedule. "
-            f"Received: optimizer.config.learning_rate={learning_rate!r}"
-        )
     if base_batch_size is not None:
         learning_rate = (
             linear_scaled_learning_rate(learning_rate, batch_size, base_batch_size)
@@ -615,7 +604,8 @@ def peak_learning_rate(optimizer_block, schedule_config, batch_size):
             "`optimizer.config.learning_rate` is the schedule's peak and must be "
             f"> 0. Received: optimizer.config.learning_rate={learning_rate!r}"
         )
-    return float(learning_rate)
+    epochs = config["training"]["epochs"]
+    return build_schedule(schedule_config, learning_rate, steps_per_epoch, epochs)
 
 
 # ------------------------------------------------------------ the command
@@ -654,20 +644,21 @@ class _HistoryWriter(keras.callbacks.Callback):
 
 
 def _resolved_config(config, optimizer):
-    """The config with the optimizer block filled from its `get_config()`."""
-    resolved = dict(config)
+    """The config with the optimizer block filled from its `get_config()`.
+
+    The block's own values stand (its learning rate is the one the user
+    gave, not the schedule built from it); one it leaves out takes the
+    optimizer's, but for the learning rate, which stays out.
+    """
+    block = config["optimizer"]
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    inner_config = inner.get_config()
-    block_learning_rate = config["optimizer"]["config"].get("learning_rate")
-    if block_learning_rate is None:
-        inner_config.pop("learning_rate", None)
-    else:
-        inner_config["learning_rate"] = block_learning_rate
-    resolved["optimizer"] = {
-        "class_name": config["optimizer"]["class_name"],
-        "config": inner_config,
+    arguments = {**inner.get_config(), **block["config"]}
+    if "learning_rate" not in block["config"]:
+        del arguments["learning_rate"]
+    return {
+        **config,
+        "optimizer": {"class_name": block["class_name"], "config": arguments},
     }
-    return resolved
 
 
 def _interrupted(folder, epochs_done, epochs):
@@ -692,11 +683,14 @@ def _interrupted(folder, epochs_done, epochs):
 def run(config, data=None, folder=None, overwrite=False):
     """`tf-lars train`: one training run, written to the run folder.
 
-    Under a strategy every process trains (the same steps, in lockstep) and
-    only the chief writes the run folder and prints the progress; another
-    worker prints two lines and writes nothing there. The resolved config is
-    written before training and `history.json` after every epoch, so a
-    Ctrl-C keeps both (and an `INTERRUPTED` note).
+    One pass: the distribution and the batch, the optimizer block checked
+    and its learning rate resolved for the global batch, the model and the
+    optimizer built once (before any file is written, so a bad setting
+    leaves nothing behind), training, the files. Under a strategy every
+    process trains in lockstep and only the chief writes the run folder and
+    prints the progress. The resolved config is written before training and
+    `history.json` after every epoch, so a Ctrl-C keeps both (and an
+    `INTERRUPTED` note).
 
     Args:
         config: a validated train config (`tf_lars.cli.config.load_config`).
@@ -716,90 +710,115 @@ def run(config, data=None, folder=None, overwrite=False):
     if data is None:
         data, folder = preflight("train", config, overwrite)
     distribution = make_distribution(config["distribute"])
-    training = config["training"]
-    num_train = len(data.x_train)
-    batch_size, global_batch = global_batch_size(
-        training["batch_size"], num_train, distribution.replicas
+    sizes = _batch_sizes(config, data, distribution)
+    optimizer = optimizer_spec(config["optimizer"])
+    learning_rate = learning_rate_for(
+        config, optimizer.learning_rate, sizes[1], len(data.x_train) // sizes[1]
     )
-    if distribution.strategy is not None:
-        evaluation_batch_size(len(data.x_test), distribution.replicas, "test set")
-    learning_rate = peak_learning_rate(
-        config["optimizer"], config["schedule"], global_batch
-    )
-    # Model, schedule, optimizer and loss scale: built once, before any file
-    # is written, so a bad setting leaves nothing behind.
     trial = build_trial(
         data,
         model_config=config["model"],
-        optimizer_block=config["optimizer"],
+        optimizer=optimizer,
         learning_rate=learning_rate,
-        schedule_config=config["schedule"],
-        batch_size=global_batch,
-        epochs=training["epochs"],
+        batch_size=sizes[1],
         seed=config["seed"],
-        precision=training["precision"],
+        precision=config["training"]["precision"],
         loss_scale_config=config["loss_scale"],
         strategy=distribution.strategy,
     )
-    chief = distribution.chief
-    if chief:
-        if folder is None:
-            folder = choose_run_dir(config, "train", overwrite)
-        open_run_dir(folder, "train")
-        # The resolved config first, so an interrupted run still has it.
-        write_text(
-            folder,
-            "config.yaml",
-            dump_config(_resolved_config(config, trial["optimizer"])),
-        )
-        print(
-            f"Data: {num_train} training / {len(data.x_test)} test examples, "
-            f"{data.num_classes} classes ({data.source})"
-        )
-        if distribution.strategy is not None:
-            print(_describe_distribution(distribution))
-        print(
-            describe_batches(batch_size, global_batch, distribution.replicas, num_train)
-        )
-        print(f"Run folder: {folder}", flush=True)
-    else:
-        folder = None
-        # The other workers train in lockstep with the chief and write no
-        # file: Keras needs none to train, and TensorBoard is the chief's.
-        print(
-            f"{distribution.task}: {_describe_distribution(distribution)}; the "
-            "chief writes the run folder and the progress"
-        )
-    monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
-    writer = _HistoryWriter(folder) if chief else None
-    try:
-        result = fit_once(
-            data,
-            trial,
-            batch_size=global_batch,
-            epochs=training["epochs"],
-            jit_compile=training["jit_compile"],
-            callbacks=[c for c in (monitor, writer) if c is not None],
-            verbose=training["verbose"] if chief else 0,
-            validation=True,
-            strategy=distribution.strategy,
-        )
-    except KeyboardInterrupt:
-        done = len(writer.history.get("loss", [])) if writer else 0
-        raise _interrupted(folder, done, training["epochs"]) from None
-    if not chief:
-        print(
-            f"{distribution.task}: done; final test accuracy "
-            f"{100 * result['test_accuracy']:.2f}%"
-        )
-        return 0
-    sizes = (batch_size, global_batch)
+    if not distribution.chief:
+        return _train_as_worker(config, data, distribution, trial)
+    if folder is None:
+        folder = choose_run_dir(config, "train", overwrite)
+    _open_run_folder(folder, config, data, distribution, sizes, trial["optimizer"])
+    result, monitor = _train_as_chief(config, data, distribution, trial, folder)
     try:
         files = _write_run_files(folder, config, data, distribution, sizes, result)
         files += _write_trust_ratio_files(folder, config, monitor)
     except KeyboardInterrupt:
         epochs_run = len(result["history"].get("loss", []))
-        raise _interrupted(folder, epochs_run, training["epochs"]) from None
+        raise _interrupted(folder, epochs_run, config["training"]["epochs"]) from None
+    _print_result(folder, result, files)
+    return 0
+
+
+def _batch_sizes(config, data, distribution):
+    """`(per_replica, global_batch)`, checked against the training and test sets."""
+    sizes = global_batch_size(
+        config["training"]["batch_size"], len(data.x_train), distribution.replicas
+    )
+    if distribution.strategy is not None:
+        evaluation_batch_size(len(data.x_test), distribution.replicas, "test set")
+    return sizes
+
+
+def _open_run_folder(folder, config, data, distribution, sizes, optimizer):
+    """Creates the run folder, writes the resolved config, prints the setup."""
+    open_run_dir(folder, "train")
+    # The resolved config first, so an interrupted run still has it.
+    write_text(folder, "config.yaml", dump_config(_resolved_config(config, optimizer)))
+    num_train = len(data.x_train)
+    print(
+        f"Data: {num_train} training / {len(data.x_test)} test examples, "
+        f"{data.num_classes} classes ({data.source})"
+    )
+    if distribution.strategy is not None:
+        print(_describe_distribution(distribution))
+    print(describe_batches(*sizes, distribution.replicas, num_train))
+    print(f"Run folder: {folder}", flush=True)
+
+
+def _train(config, data, distribution, trial, callbacks, verbose):
+    training = config["training"]
+    return fit_once(
+        data,
+        trial,
+        batch_size=trial["batch_size"],
+        epochs=training["epochs"],
+        jit_compile=training["jit_compile"],
+        callbacks=callbacks,
+        verbose=verbose,
+        validation=True,
+        strategy=distribution.strategy,
+    )
+
+
+def _train_as_chief(config, data, distribution, trial, folder):
+    """Trains with the progress, the monitor and `history.json`; the result."""
+    monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
+    writer = _HistoryWriter(folder)
+    callbacks = [c for c in (monitor, writer) if c is not None]
+    try:
+        result = _train(
+            config, data, distribution, trial, callbacks, config["training"]["verbose"]
+        )
+    except KeyboardInterrupt:
+        done = len(writer.history.get("loss", []))
+        raise _interrupted(folder, done, config["training"]["epochs"]) from None
+    return result, monitor
+
+
+def _train_as_worker(config, data, distribution, trial):
+    """A worker other than the chief: trains in lockstep, writes no file."""
+    # Keras needs no file to train, and TensorBoard is the chief's.
+    print(
+        f"{distribution.task}: {_describe_distribution(distribution)}; the "
+        "chief writes the run folder and the progress"
+    )
+    monitor = _trust_ratio_monitor(config, trial["optimizer"], None)
+    callbacks = [monitor] if monitor is not None else []
+    try:
+        result = _train(config, data, distribution, trial, callbacks, 0)
+    except KeyboardInterrupt:
+        raise _interrupted(None, 0, config["training"]["epochs"]) from None
+    print(
+        f"{distribution.task}: done; final test accuracy "
+        f"{100 * result['test_accuracy']:.2f}%"
+    )
+    return 0
+
+
+def _print_result(folder, result, files):
     print()
     if result["diverged"]:
         print(
@@ -809,7 +828,6 @@ def run(config, data=None, folder=None, overwrite=False):
     print(f"Final train accuracy: {100 * result['train_accuracy']:.2f}%")
     print(f"Final test accuracy:  {100 * result['test_accuracy']:.2f}%")
     print(f"Wrote {folder}/: {', '.join(files)}")
-    return 0
 
 
 def _trust_ratio_monitor(config, optimizer, folder):
@@ -827,11 +845,44 @@ def _trust_ratio_monitor(config, optimizer, folder):
     )
 
 
+def _summary(data, distribution, sizes, result, learning_rates, epochs_run):
+    """summary.json's record of a finished run."""
+    optimizer = result["optimizer"]
+    learning_rate = result["learning_rate"]
+    return {
+        "train_accuracy": result["train_accuracy"],
+        "test_accuracy": result["test_accuracy"],
+        "train_loss": _json_number(result["train_loss"]),
+        "test_loss": _json_number(result["test_loss"]),
+        "diverged": result["diverged"],
+        "diverged_epoch": result["diverged_epoch"],
+        "epochs_run": epochs_run,
+        "batch_size": sizes[0],
+        "global_batch_size": sizes[1],
+        "replicas": distribution.replicas,
+        "workers": distribution.workers,
+        "strategy": distribution.name,
+        "examples_dropped_per_epoch": len(data.x_train) % sizes[1],
+        "steps_per_epoch": result["steps_per_epoch"],
+        "peak_learning_rate": float(np.max(learning_rates)),
+        "learning_rate_schedule": (
+            keras.saving.serialize_keras_object(learning_rate)
+            if not isinstance(learning_rate, float)
+            else learning_rate
+        ),
+        "optimizer": type(optimizer).__name__,
+        "inner_optimizer": type(
+            getattr(optimizer, "inner_optimizer", optimizer)
+        ).__name__,
+        "train_seconds": result["seconds"],
+        "data": data.source,
+    }
+
+
 def _write_run_files(folder, config, data, distribution, sizes, result):
     """history.json, summary.json, the model and the curves; their names."""
     from tf_lars.cli.plots import plot_curves, plot_learning_rate
 
-    batch_size, global_batch = sizes
     steps_per_epoch = result["steps_per_epoch"]
     epochs_run = len(result["history"].get("loss", []))
     total_steps = steps_per_epoch * epochs_run
@@ -848,34 +899,7 @@ def _write_run_files(folder, config, data, distribution, sizes, result):
         json.dump(
             {"epoch": list(range(1, epochs_run + 1)), **history}, handle, indent=1
         )
-    optimizer = result["optimizer"]
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    summary = {
-        "train_accuracy": result["train_accuracy"],
-        "test_accuracy": result["test_accuracy"],
-        "train_loss": _json_number(result["train_loss"]),
-        "test_loss": _json_number(result["test_loss"]),
-        "diverged": result["diverged"],
-        "diverged_epoch": result["diverged_epoch"],
-        "epochs_run": epochs_run,
-        "batch_size": batch_size,
-        "global_batch_size": global_batch,
-        "replicas": distribution.replicas,
-        "workers": distribution.workers,
-        "strategy": distribution.name,
-        "examples_dropped_per_epoch": len(data.x_train) % global_batch,
-        "steps_per_epoch": steps_per_epoch,
-        "peak_learning_rate": float(np.max(learning_rates)),
-        "learning_rate_schedule": (
-            keras.saving.serialize_keras_object(result["learning_rate"])
-            if not isinstance(result["learning_rate"], float)
-            else result["learning_rate"]
-        ),
-        "optimizer": type(optimizer).__name__,
-        "inner_optimizer": type(inner).__name__,
-        "train_seconds": result["seconds"],
-        "data": data.source,
-    }
+    summary = _summary(data, distribution, sizes, result, learning_rates, epochs_run)
     with open(os.path.join(folder, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=1, default=str)
     result["model"].save(os.path.join(folder, "model.keras"))

@@ -1,4 +1,7 @@
-"""Optimizer step benchmarks: `tf-lars bench` or `python -m tf_lars.cli.bench`.
+"""Optimizer step benchmarks: `python benchmarks/bench.py [--help]`.
+
+Not part of the installed package: run it from a source checkout (it puts
+the checkout first on the import path, so it times the checkout's tf_lars).
 
 Measures, in one process, the median step time of `tf_lars.LARS` against
 `keras.optimizers.SGD(momentum=0.9)` on ResNet-50's trainable variable shapes
@@ -15,6 +18,10 @@ import os
 import statistics
 import sys
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 
 def _median_seconds(step, repeats, warmup):
@@ -497,9 +504,9 @@ def _print_fit_table(title, rows, batch):
 
 
 def parse_arguments(argv=None):
-    """The parsed `tf-lars bench` arguments; a bad one exits with status 2."""
+    """The parsed benchmark arguments; a bad one exits with status 2."""
     parser = argparse.ArgumentParser(
-        prog="tf-lars bench", description="tf_lars optimizer step benchmarks."
+        prog="bench.py", description="tf_lars optimizer step benchmarks."
     )
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
