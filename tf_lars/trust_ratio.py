@@ -374,7 +374,11 @@ class TrustRatio(
         """`lr * wd / scale` (0 where scale is 0: then nothing moves anyway)."""
         dtype = scale.dtype
         divisor = ops.where(ops.equal(scale, 0), ops.ones_like(scale), scale)
-        return ops.cast(learning_rate, dtype) * ops.cast(decay, dtype) / divisor
+        return (
+            ops.cast(learning_rate, dtype)
+            * ops.convert_to_tensor(decay, dtype)
+            / divisor
+        )
 
     def _with_decay(self, direction, scale, variable, learning_rate, decay):
         """Step 2: u = d + wd * w, kept as lr * u = scale * (direction +
