@@ -10,6 +10,7 @@ Modes: an eager `apply`; `stateless_apply` under `jax.jit` (JAX);
 """
 
 import contextlib
+import functools
 import inspect
 
 import keras
@@ -324,3 +325,125 @@ def _check_trust_ratio_around(cls):
         np.testing.assert_allclose(
             ops.convert_to_numpy(optimizer.trust_ratios)[0], ratio, rtol=ratio_rtol
         )
+
+
+# ------------------------------- TensorFlow: each fast kernel = portable rule
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    from tf_lars import _tf_fast
+
+    # (3, 3, 64, 64) folds under XLA and is one MatMul without; (5, 7) is
+    # below the size where a plain reduction is used.
+    KERNEL_SHAPES = [(3, 3, 64, 64), (5, 7), (4096 + 3,)]
+    TRACERS = {
+        "eager": lambda f: f,
+        "graph": tf.function,
+        "xla": lambda f: tf.function(f, jit_compile=True),
+    }
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+    def test_tf_norms_equal_the_portable_norms(scale, tracer):
+        rng = np.random.default_rng(5)
+        tensors = [
+            tf.constant(rng.uniform(-1, 1, size=s).astype("float32") * scale / 100)
+            for s in KERNEL_SHAPES
+        ] + [tf.zeros((3,))]
+        fast = TRACERS[tracer](_tf_fast.norms)(tensors)
+        portable = TRACERS[tracer](_rules.norms)(tensors)
+        want = [np.linalg.norm(t.numpy().astype(np.float64)) for t in tensors]
+        np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
+        np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
+
+    def _slot_pair():
+        """Two (variable, slot) pairs holding the same values, and an optimizer."""
+        rng = np.random.default_rng(6)
+        start = rng.normal(size=(8, 5)).astype("float32")
+        slot = rng.normal(size=(8, 5)).astype("float32")
+        optimizer = tf_lars.LARS()
+        variables = [keras.Variable(start) for _ in range(2)]
+        slots = [keras.Variable(slot) for _ in range(2)]
+        gradient = tf.constant(rng.normal(size=(8, 5)).astype("float32"))
+        return optimizer, variables, slots, gradient
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    @pytest.mark.parametrize("nesterov", [False, True])
+    def test_tf_momentum_step_equals_the_portable_step(nesterov, tracer):
+        optimizer, variables, slots, gradient = _slot_pair()
+        rate = tf.constant(0.3)
+        for module, variable, slot in zip(
+            (_tf_fast, _rules), variables, slots, strict=True
+        ):
+            step = functools.partial(
+                module.momentum_step,
+                optimizer,
+                variable,
+                slot,
+                gradient,
+                rate,
+                0.9,
+                nesterov,
+            )
+            TRACERS[tracer](step)()
+        np.testing.assert_allclose(slots[0].numpy(), slots[1].numpy(), rtol=1e-6)
+        np.testing.assert_allclose(
+            variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+        )
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    def test_tf_scaled_step_equals_the_portable_step(tracer):
+        optimizer, variables, _, step = _slot_pair()
+        for module, variable in zip((_tf_fast, _rules), variables, strict=True):
+            write = functools.partial(
+                module.scaled_step, optimizer, variable, tf.constant(0.7), step
+            )
+            TRACERS[tracer](write)()
+        np.testing.assert_allclose(
+            variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+        )
+
+    def _lamb_steps(direction_of, start, gradients, decay):
+        """Two LAMB directions (times their scale) and Adam's slots after."""
+        optimizer = tf_lars.LAMB(learning_rate=0.01)
+        variable = keras.Variable(start)
+        optimizer.build([variable])
+
+        @tf.function
+        def step(gradient):
+            scale, direction = direction_of(
+                optimizer, gradient, variable.value, tf.constant(0.01), decay
+            )
+            optimizer.inner_optimizer.iterations.assign_add(1)
+            return scale * direction
+
+        steps = [step(gradient).numpy() for gradient in gradients]
+        return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
+
+    @pytest.mark.parametrize("decay", [0.0, 0.01])
+    def test_tf_fused_lamb_direction_equals_the_portable_direction(decay):
+        # Graph without XLA, where LAMB takes the fused kernel.
+        from tf_lars import lamb as lamb_module
+
+        rng = np.random.default_rng(8)
+        start = rng.normal(size=(6, 4)).astype("float32")
+        gradients = [
+            tf.constant(rng.normal(size=(6, 4)).astype("float32")) for _ in range(2)
+        ]
+        fast = _lamb_steps(_tf_fast.lamb_direction, start, gradients, decay)
+        portable = _lamb_steps(lamb_module.lamb_direction, start, gradients, decay)
+        assert len(fast) == 4  # two steps, m and v
+        # 2e-5: the kernel rounds `1 - beta_2` from float32 0.999 (1.3e-5 off
+        # 0.001), the portable rule from the Python float.
+        for a, b in zip(fast, portable, strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9)
+
+    def test_tf_compiled_apply_equals_the_portable_apply():
+        got = []
+        for jit_compile in (True, False):
+            optimizer, _ = make_case("lars_nesterov")
+            optimizer.jit_compile = jit_compile
+            got.append(run_apply(optimizer, GRADS)[0])
+        for a, b in zip(*got, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
