@@ -65,7 +65,7 @@ The accesses:
    `tf_lars.distribute.enable_multi_worker_fit`, which users call explicitly.
 8. `in_xla_context()` (`tf.__internal__.get_enclosing_xla_context`): whether
    the step being traced will be compiled by XLA. The norms of
-   `tf_lars._lars_fast.squared_norm` take the form that is fastest there:
+   `tf_lars._tf_fast.squared_norm` take the form that is fastest there:
    folded into a matrix-vector product under XLA (a full reduction is a
    serial loop), one `MatMul` of the flat tensor with itself otherwise
    (half the time of `reduce_sum(square(x))`, no temporary). TensorFlow
