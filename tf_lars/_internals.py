@@ -548,6 +548,23 @@ def overwrites_with_gradient(optimizer, variable):
     return check(variable)
 
 
+def per_variable_update_step(optimizer):
+    """`optimizer._backend_update_step`, or the one that steps variable by variable.
+
+    The torch backend swaps in its own subclasses of nine Keras optimizers
+    (`keras.src.backend.torch.optimizers`) whose `_backend_update_step` steps
+    every variable at once with `torch._foreach_*`, never calling
+    `update_step`; their Keras parent's (Nadam's included) takes the same
+    step one variable at a time through `update_step` (TrustRatio needs that).
+    """
+    for klass in type(optimizer).__mro__:
+        if "_backend_update_step" in vars(klass) and not klass.__module__.startswith(
+            "keras.src.backend.torch."
+        ):
+            return functools.partial(klass._backend_update_step, optimizer)
+    return optimizer._backend_update_step
+
+
 #: Keras hook methods tf_lars's optimizers override, with the parameters they
 #: take: a dependency on private names as real as a read. `check_hooks` and
 #: tests/internals_test.py compare them with the installed Keras.
