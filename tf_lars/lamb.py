@@ -243,7 +243,7 @@ class LAMB(TrustRatio):
         """
         if _kernels.is_sparse(gradient):
             # Step 5: Adam's own sparse update, no ratio, no weight decay.
-            self.inner_optimizer.update_step(gradient, variable, learning_rate)
+            self._inner_update_step(gradient, variable, learning_rate)
             return
         index = _internals.variable_index(self, variable)
         decay = self._variable_weight_decay[index]
