@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
+import pytest
 
 import tf_lars
 
@@ -15,12 +17,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tf_lars"
 
 
-def _run(code, argv0=None):
+def _run(code, argv0=None, args=()):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
     if argv0:
         code = f"import sys; sys.argv[0] = {argv0!r}\n" + code
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -87,19 +89,97 @@ def test_core_imports_without_the_command_line_extras():
     assert result.stdout.strip() == "LARS AGN []"
 
 
-def test_the_command_process_defers_tensorflow_until_asked():
+@pytest.mark.parametrize("argv0", ["/usr/local/bin/tf-lars", "train.py"])
+def test_every_process_defers_tensorflow_until_asked(argv0):
+    # One rule, whatever the process is called: `import tf_lars` imports
+    # neither Keras nor TensorFlow; the names load on first use.
     result = _run(
         "import sys\n"
         "import tf_lars\n"
-        "before = 'tensorflow' in sys.modules\n"
+        "before = sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'tensorflow', 'keras'})\n"
         "tf_lars.load_public_names()\n"
         "import keras\n"
         "registered = keras.saving.get_registered_object('tf_lars>LARS')\n"
         "print(before, 'tensorflow' in sys.modules, registered.__name__)\n",
-        argv0="/usr/local/bin/tf-lars",
+        argv0=argv0,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False True LARS"
+    assert result.stdout.strip() == "[] True LARS"
+
+
+def test_the_package_does_not_read_the_command_line():
+    source = (PACKAGE / "__init__.py").read_text()
+    assert "argv" not in source
+    assert not hasattr(tf_lars, "_started_as_command")
+
+
+def test_a_saved_file_loads_in_a_process_that_only_imported_tf_lars(tmp_path):
+    # Keras finds saved classes only in its registry: the stand-ins that
+    # `import tf_lars` registers when Keras loads make the file load, and the
+    # loaded optimizer continues exactly (its state came back).
+    path = tmp_path / "model.keras"
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="dense")(inputs))
+    schedule = tf_lars.WarmupPolynomialDecay(0.5, warmup_steps=2, decay_steps=10)
+    model.compile(
+        optimizer=tf_lars.LossScaleOptimizer(
+            tf_lars.LARS(schedule, momentum=0.9), initial_scale=64.0
+        ),
+        loss="mse",
+    )
+    x = np.linspace(-1.0, 1.0, 12, dtype="float32").reshape(4, 3)
+    y = np.ones((4, 2), "float32")
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    model.save(path)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    expected = keras.ops.convert_to_numpy(model.get_layer("dense").kernel)
+    result = _run(
+        "import sys\n"
+        "import numpy as np\n"
+        "import tf_lars\n"
+        "import keras\n"
+        f"model = keras.models.load_model({str(path)!r})\n"
+        "opt = model.optimizer\n"
+        "x = np.linspace(-1.0, 1.0, 12, dtype='float32').reshape(4, 3)\n"
+        "model.fit(x, np.ones((4, 2), 'float32'), batch_size=4, verbose=0)\n"
+        "print(type(opt).__module__, type(opt.inner_optimizer).__name__,\n"
+        "      opt.inner_optimizer.get_config()['learning_rate']['class_name'],\n"
+        "      int(opt.iterations))\n"
+        "np.save(sys.argv[1], keras.ops.convert_to_numpy(\n"
+        "    model.get_layer('dense').kernel))\n",
+        args=[str(tmp_path / "kernel.npy")],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [
+        "tf_lars.loss_scale",
+        "LARS",
+        "WarmupPolynomialDecay",
+        "3",
+    ]
+    np.testing.assert_allclose(
+        np.load(tmp_path / "kernel.npy"), expected, rtol=1e-6, atol=1e-7
+    )
+
+
+def test_every_registered_name_has_a_stand_in_that_loads_it():
+    # `_REGISTERED` is complete: it names exactly what the modules register.
+    tf_lars.load_public_names()
+    registered = {
+        name.split(">", 1)[1]
+        for name in keras.saving.get_custom_objects()
+        if name.startswith("tf_lars>")
+    }
+    assert registered == set(tf_lars._REGISTERED)
+    for name, module in tf_lars._REGISTERED.items():
+        cls = keras.saving.get_registered_object(f"tf_lars>{name}")
+        assert cls.__module__ == module and cls.__name__ == name
+    # A stand-in hands the config to the real class.
+    config = tf_lars.LARS(0.25, momentum=0.5).get_config()
+    rebuilt = tf_lars._RegisteredStandIn("LARS").from_config(config)
+    assert type(rebuilt) is tf_lars.LARS
+    assert rebuilt.momentum == 0.5
+    assert float(keras.ops.convert_to_numpy(rebuilt.learning_rate)) == 0.25
 
 
 def test_version_is_the_newest_changelog_entry():

@@ -1,16 +1,23 @@
-"""tf_lars: LARS, loss scaling and AGN optimizers for TensorFlow 2 / Keras 3.
+"""tf_lars: LARS, LAMB, TrustRatio and loss scaling for Keras 3; AGN for TensorFlow.
 
-`import tf_lars` imports TensorFlow and Keras, checks their versions
-(`tf_lars/_internals.py`) and registers every public class with Keras, so
-that `keras.models.load_model` finds them in saved files.
+`import tf_lars` imports neither Keras nor TensorFlow: the public names below
+load on first use (PEP 562 `__getattr__`), the same way in every process, so
+that `tf-lars --help` answers at once and a JAX or PyTorch user never pays
+TensorFlow's start-up. Loading an optimizer imports Keras (and, on Keras's
+TensorFlow backend, TensorFlow) and checks their versions
+(`tf_lars/_internals.py`).
 
-One exception: in the `tf-lars` command-line process the names below load on
-first use (PEP 562), so that `tf-lars --help` answers without importing
-TensorFlow; each command that trains imports them through
-`load_public_names()` before it touches a config or a saved model.
+Saved files: Keras looks a saved class up only in its registry of custom
+objects. So that `keras.models.load_model` finds a tf_lars optimizer in a
+program that only did `import tf_lars`, each registered name gets a stand-in
+in that registry as soon as Keras is imported (at once if it already is);
+deserializing through a stand-in loads the real class, which then replaces
+it. `load_public_names()` loads and registers every name at once.
 """
 
 import importlib
+import importlib.util
+import json
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -66,32 +73,106 @@ def __dir__():
 
 
 def load_public_names():
-    """Imports every public name (and so registers every class with Keras)."""
+    """Imports every public name (and so registers every class with Keras).
+
+    On a backend other than TensorFlow the TensorFlow-only `AGN` is left out.
+    """
     for name in _PUBLIC:
-        __getattr__(name)
+        if name != "AGN" or _keras_backend() == "tensorflow":
+            __getattr__(name)
 
 
-def _started_as_command():
-    # The console script `tf-lars` runs with its own path as argv[0];
-    # `python -m tf_lars.cli[.module]` and the launcher
-    # (`python -m tf_lars.distribute.launch`) show in `sys.orig_argv`. Anything else
-    # (a user's program, pytest) loads eagerly; a renamed script only loses
-    # the fast `--help`, never correctness.
-    path = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    if os.path.basename(path) in ("tf-lars", "tf-lars.exe"):
-        return True
-    # `python -m tf_lars.cli[.module]` sets argv[0] to the module's file, and
-    # the sweep's spawned worker processes get only that argv[0].
-    if os.path.normpath(path).split(os.sep)[-3:-1] == ["tf_lars", "cli"]:
-        return True
-    original = list(getattr(sys, "orig_argv", []))
-    if "-m" in original:
-        module = original[original.index("-m") + 1 :][:1] or [""]
-        return module[0] in ("tf_lars.cli", "tf_lars.distribute.launch") or (
-            module[0].startswith("tf_lars.cli.")
+# Every name tf_lars registers with Keras ("tf_lars>NAME") -> defining module.
+_REGISTERED = {
+    "AGN": "tf_lars.agn",
+    "LAMB": "tf_lars.lamb",
+    "LARS": "tf_lars.lars",
+    "LossScaleMonitor": "tf_lars.callbacks",
+    "LossScaleOptimizer": "tf_lars.loss_scale",
+    "TrustRatio": "tf_lars.trust_ratio",
+    "TrustRatioMonitor": "tf_lars.callbacks",
+    "WarmupPolynomialDecay": "tf_lars.schedules",
+}
+
+
+class _RegisteredStandIn:
+    """Keras's registry entry for a tf_lars class whose module is not loaded.
+
+    Keras deserializes a registered object with `entry.from_config(config)`
+    (inside its custom-object scope); this loads the real class (whose
+    decorator replaces the entry) and hands the config to it.
+    """
+
+    def __init__(self, name):
+        self.__name__ = name
+        self.module = _REGISTERED[name]
+
+    def from_config(self, config):
+        cls = getattr(importlib.import_module(self.module), self.__name__)
+        return cls.from_config(config)
+
+
+def _register_stand_ins():
+    import keras
+
+    registry = keras.saving.get_custom_objects()
+    for name in _REGISTERED:
+        registry.setdefault(f"tf_lars>{name}", _RegisteredStandIn(name))
+
+
+class _WhenKerasLoads:
+    """A one-shot import hook: registers the stand-ins once `keras` has run."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "keras":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute_keras = spec.loader.exec_module
+
+        def exec_module(module):
+            execute_keras(module)
+            _register_stand_ins()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _keras_backend():
+    """The Keras backend name, without importing Keras if it is not loaded.
+
+    Keras's own order: the `KERAS_BACKEND` variable, else the `backend` of
+    `keras.json` in `$KERAS_HOME` (default `~/.keras`), else "tensorflow".
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "backend"):
+        return keras.backend.backend()
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras"
+    )
+    try:
+        with open(os.path.join(home, "keras.json")) as config:
+            return json.load(config).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def _require_tensorflow_backend(feature):
+    """Raises ImportError for a TensorFlow-only `feature` on another backend."""
+    backend = _keras_backend()
+    if backend != "tensorflow":
+        raise ImportError(
+            f"{feature} needs TensorFlow: it runs only on Keras's TensorFlow "
+            f"backend, and Keras is set to the {backend!r} backend. Set "
+            "KERAS_BACKEND=tensorflow to use it."
         )
-    return False
 
 
-if not _started_as_command():
-    load_public_names()
+if "keras" in sys.modules:
+    _register_stand_ins()
+else:
+    sys.meta_path.insert(0, _WhenKerasLoads())

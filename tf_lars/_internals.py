@@ -7,12 +7,14 @@ other than those in `OVERRIDDEN_HOOKS`; tests/internals_test.py checks it.
 Each access below says why no public API serves (the documentation's
 development guide shows this list; it is kept only here).
 
-Versions: `import tf_lars` refuses only TensorFlow or Keras older than the
-floor in `SUPPORTED` (`UnsupportedVersionError`, naming both installed
-versions and the range; `TF_LARS_SKIP_VERSION_CHECK=1` tries anyway). Newer
-releases import and run: nothing private is imported at `import tf_lars`, and
-each access checks itself where it is used, raising `MissingInternalError`
-with the feature and the installed versions if a release removed it.
+Versions: loading an optimizer refuses only TensorFlow or Keras older than
+the floor in `SUPPORTED` (`UnsupportedVersionError`, naming the installed
+versions and the range; `TF_LARS_SKIP_VERSION_CHECK=1` tries anyway). On the
+JAX and PyTorch backends only the Keras floor applies, and TensorFlow is not
+imported (this module imports it only when Keras runs on it). Newer releases
+import and run: nothing private is imported when tf_lars loads, and each
+access checks itself where it is used, raising `MissingInternalError` with
+the feature and the installed versions if a release removed it.
 Where releases differ, the shim is here (section 11), with the release that
 changed it.
 
@@ -99,7 +101,14 @@ import itertools
 import os
 
 import keras
-import tensorflow as tf
+
+if keras.backend.backend() == "tensorflow":
+    # Already imported by Keras: free. On the other backends TensorFlow is
+    # needed only by the TensorFlow-only features (AGN, tf_lars.distribute),
+    # which import it themselves.
+    import tensorflow as tf
+else:
+    tf = None
 
 #: The range tf_lars supports, as (floor, newest tested) `major.minor` pairs.
 #: Below the floor `import tf_lars` refuses; above the newest tested release
@@ -132,9 +141,20 @@ def _range_text(name):
     return f"{name}>={low_major}.{low_minor} (tested through {high_major}.{high_minor})"
 
 
+def _installed():
+    """{package: version} of what the backend in use needs checked.
+
+    TensorFlow only on its backend: on JAX and PyTorch it may be absent, or
+    any release, and is never imported.
+    """
+    if tf is None:
+        return {"keras": keras.__version__}
+    return {"tensorflow": tf.__version__, "keras": keras.__version__}
+
+
 def installed_versions():
-    """`"tensorflow 2.21.0, keras 3.15.1"`: for error messages."""
-    return f"tensorflow {tf.__version__}, keras {keras.__version__}"
+    """`"tensorflow 2.21.0, keras 3.15.1"` (`"keras 3.15.1"` off TensorFlow)."""
+    return ", ".join(f"{name} {version}" for name, version in _installed().items())
 
 
 def check_versions(installed):
@@ -145,16 +165,18 @@ def check_versions(installed):
 
     Args:
         installed: dict from package name (`"tensorflow"`, `"keras"`) to its
-            version string.
+            version string; a package left out is not checked (TensorFlow
+            off its backend).
     """
+    names = [name for name in SUPPORTED if name in installed]
     below = []
-    for name, (floor, _) in SUPPORTED.items():
+    for name in names:
         version = _major_minor(installed[name])
-        if version is not None and version < floor:
+        if version is not None and version < SUPPORTED[name][0]:
             below.append(name)
     if below:
-        found = ", ".join(f"{name} {installed[name]}" for name in SUPPORTED)
-        wanted = ", ".join(_range_text(name) for name in SUPPORTED)
+        found = ", ".join(f"{name} {installed[name]}" for name in names)
+        wanted = ", ".join(_range_text(name) for name in names)
         raise UnsupportedVersionError(
             f"tf_lars {'/'.join(below)} version too old: installed {found}; "
             f"tf_lars supports {wanted}. Upgrade, or set "
@@ -163,16 +185,28 @@ def check_versions(installed):
 
 
 if os.environ.get("TF_LARS_SKIP_VERSION_CHECK", "") in ("", "0"):
-    check_versions({"tensorflow": tf.__version__, "keras": keras.__version__})
+    check_versions(_installed())
 
 
 def _missing(feature, what):
+    tested = " and ".join(_range_text(name) for name in _installed())
     return MissingInternalError(
         f"tf_lars {feature} needs {what}, which the installed versions "
         f"({installed_versions()}) do not have. tf_lars is tested with "
-        f"{_range_text('tensorflow')} and {_range_text('keras')}; please "
-        "report this with both versions."
+        f"{tested}; please report this with "
+        f"{'both versions' if len(_installed()) > 1 else 'the version'}."
     )
+
+
+def _do_not_convert(function):
+    """`tf.autograph.experimental.do_not_convert` on TensorFlow, else `function`.
+
+    The functions it marks are plain calls with no tensor-dependent Python
+    control flow: converting them would only re-read this file's source.
+    """
+    if tf is None:
+        return function
+    return tf.autograph.experimental.do_not_convert(function)
 
 
 def _tf_internal(path, feature):
@@ -208,16 +242,14 @@ def _private_module(path, feature):
 # 1 and 2 -------------------------------------------------------------------
 
 
-# Not converted by AutoGraph: plain calls, no tensor-dependent Python control
-# flow, and converting them would only re-read this file's source.
-@tf.autograph.experimental.do_not_convert
+@_do_not_convert
 def maybe_merge_call(fn, strategy, *args):
     """`fn(strategy, *args)` through a merge call where the strategy needs one."""
     merge_call = _tf_internal("distribute.interim.maybe_merge_call", "LARS")
     return merge_call(fn, strategy, *args)
 
 
-@tf.autograph.experimental.do_not_convert
+@_do_not_convert
 def strategy_supports_no_merge_call():
     """Whether the current strategy updates variables without a merge call."""
     supports = _tf_internal(
@@ -613,7 +645,7 @@ def backing_variable(variable):
     so the test is "not a `tf.Variable`" (measured: LARS under
     MirroredStrategy failed `distribution.extended.update`'s assertion).
     """
-    if not isinstance(variable, tf.Variable):
+    if tf is not None and not isinstance(variable, tf.Variable):
         return variable.value
     return variable
 

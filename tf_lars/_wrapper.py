@@ -1,7 +1,9 @@
 """What tf_lars's optimizer wrappers (`LossScaleOptimizer`, `AGN`) share."""
 
+import sys
+
 import keras
-import tensorflow as tf
+from keras import ops
 
 #: Keras base optimizer arguments and their defaults. Wrappers leave them to
 #: the inner optimizer; configs written by other tools carry them at these
@@ -19,33 +21,54 @@ BASE_ARGUMENT_DEFAULTS = {
 }
 
 
+def on_tensorflow():
+    """Whether Keras runs on its TensorFlow backend."""
+    return keras.backend.backend() == "tensorflow"
+
+
+def is_indexed_slices(value):
+    """Whether `value` is a `tf.IndexedSlices`, without importing TensorFlow.
+
+    If TensorFlow was never imported, nothing can be one.
+    """
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(value, tf.IndexedSlices)
+
+
 def all_finite(gradients):
     """A scalar bool tensor: every entry of every gradient is finite.
 
     Sparse gradients are checked on their values, never densified. The result
-    is a tensor, so under `tf.function` / XLA the decision stays on device.
+    is a tensor, so the decision stays on device (under `tf.function` / XLA
+    and `jax.jit` too).
     """
     checks = []
     for gradient in gradients:
         if gradient is None:
             continue
-        if isinstance(gradient, tf.IndexedSlices):
+        if is_indexed_slices(gradient):
             gradient = gradient.values
-        checks.append(tf.reduce_all(tf.math.is_finite(gradient)))
+        checks.append(ops.all(ops.isfinite(gradient)))
     if not checks:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack(checks))
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack(checks))
 
 
 def gradient_as_tensor(gradient):
-    """`gradient` as a tensor, or as `tf.IndexedSlices` of tensors.
+    """`gradient` as a backend tensor, or as `tf.IndexedSlices` of tensors.
 
     Python lists, NumPy arrays and tuple indices (as in
     `tf.IndexedSlices(values, (0, 2, 4), (5, 10))`) are converted, so that a
     compiled step sees one signature per variable list instead of re-tracing
     (or failing to trace) on every call. `None` stays `None`.
     """
-    if gradient is None or isinstance(gradient, tf.Tensor):
+    if gradient is None:
+        return gradient
+    if not on_tensorflow():
+        return ops.convert_to_tensor(gradient)
+    import tensorflow as tf
+
+    if isinstance(gradient, tf.Tensor):
         return gradient
     if isinstance(gradient, tf.IndexedSlices):
         dense_shape = gradient.dense_shape
@@ -62,8 +85,9 @@ class InnerOptimizerWrapper:
 
     Serializes the inner optimizer with `keras.saving.serialize_keras_object`
     (so its class and config round-trip, `tf_lars.LARS` included) and refuses
-    `stateless_apply`, which the TensorFlow backend cannot run. Put it first
-    in the bases so that it overrides the Keras optimizer's versions.
+    `stateless_apply` on the TensorFlow backend, whose optimizers write their
+    variables directly. Put it first in the bases so that it overrides the
+    Keras optimizer's versions.
     """
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):

@@ -9,9 +9,8 @@ module-level helpers below are shared with `tf_lars.distribute.ps_agn`.
 import numbers
 
 import keras
-import tensorflow as tf
 
-from tf_lars import _internals
+from tf_lars import _internals, _require_tensorflow_backend
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
 from tf_lars._validation import check_inner_learning_rate
@@ -21,6 +20,11 @@ from tf_lars._wrapper import (
     all_finite,
     gradient_as_tensor,
 )
+
+# Before TensorFlow is imported: on another backend, one clear error.
+_require_tensorflow_backend("tf_lars.AGN")
+
+import tensorflow as tf  # noqa: E402
 
 __all__ = ["AGN"]
 

@@ -2,7 +2,6 @@
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 
 def _write_scalar(tag, value, step):
@@ -10,8 +9,11 @@ def _write_scalar(tag, value, step):
 
     The same record TensorBoard's scalar summary writes: a float32 tensor
     tagged for the "scalars" plugin. `tf.summary.scalar` itself raises
-    `TBNotInstalledError` when `tensorboard` is not installed.
+    `TBNotInstalledError` when `tensorboard` is not installed. TensorFlow is
+    imported here, where a summary is written, so that the callbacks load
+    without it on the other backends.
     """
+    import tensorflow as tf
     metadata = tf.compat.v1.SummaryMetadata(
         plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
     )
@@ -55,6 +57,8 @@ class _ScalarLogger(keras.callbacks.Callback):
 
     def _open_writer(self):
         if self.writer is None and self.log_dir is not None:
+            import tensorflow as tf
+
             self.writer = tf.summary.create_file_writer(self.log_dir)
             self._owns_writer = True
 

@@ -1,18 +1,106 @@
-"""LAMB: `tf_lars.TrustRatio` around Adam.
+"""LAMB: `tf_lars.TrustRatio` around Adam, its whole step in this file.
 
 The rule is docs/algorithms.md, section "TrustRatio and LAMB"; the table
 there maps the published LAMB variants onto this class's flags.
+`LAMB.update_step` reads top to bottom: Adam's moments and direction
+(`lamb_direction`, with `LambAdam`), the weight decay, the trust ratio and
+the write (`TrustRatio._take_step`). On the TensorFlow backend, without XLA,
+`tf_lars._tf_fast.lamb_direction` computes the same direction in one fused
+kernel.
 """
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from tf_lars import _internals
-from tf_lars._lamb_adam import DirectionBuffers, LambAdam
+from tf_lars import _internals, _rules
 from tf_lars._validation import check_config_keys, check_number, is_real
 from tf_lars.trust_ratio import TrustRatio
 
 __all__ = ["LAMB"]
+
+_kernels = _rules.kernels()
+
+
+class LambAdam(keras.optimizers.Adam):
+    """`keras.optimizers.Adam` with epsilon added after the bias correction.
+
+    `keras.optimizers.Adam` adds its `epsilon` to `sqrt(v)` before the bias
+    correction of `v`; LAMB (the paper, optax, Keras's own `Lamb`, timm,
+    tensorflow-addons) adds it to `sqrt(v_hat)`, after. The slots, their
+    update and the bias correction are Adam's:
+
+    ```
+    m <- b1 m + (1 - b1) g          v <- b2 v + (1 - b2) g**2
+    w <- w - lr * (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + epsilon)
+    ```
+    """
+
+    def __init__(self, *args, name=None, **kwargs):
+        # Keras 3.5 to 3.11's Adam defaults to name="adam", so two LAMBs' slot
+        # paths collide; None auto-names ("lamb_adam", "lamb_adam_1"), as
+        # Keras 3.15 does.
+        super().__init__(*args, name=name, **kwargs)
+
+    def update_step(self, gradient, variable, learning_rate):
+        scale, direction = self.direction(gradient, variable, learning_rate)
+        self.assign_sub(variable, scale * direction)
+
+    def direction(self, gradient, variable, learning_rate):
+        """Updates `m` and `v`; returns `(scale, direction)` of the step.
+
+        The step `lr * m_hat / (sqrt(v_hat) + eps)` is `scale * direction`
+        with `direction = m / (sqrt(v) + eps * sqrt(1 - b2**t))` and the
+        scalar `scale = lr * sqrt(1 - b2**t) / (1 - b1**t)`: the two bias
+        corrections are folded into scalars, one pass over `m` and `v`.
+        Sparse gradients (TensorFlow's `tf.IndexedSlices`) update the slots
+        with scatters, repeated rows summed first (Adam on the summed dense
+        gradient), never densified.
+        """
+        dtype = variable.dtype
+        m, v = _internals.adam_slots(self, _internals.variable_index(self, variable))
+        # `1 - beta` is rounded once from the Python float: bfloat16 holds
+        # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
+        one_minus_1 = ops.cast(1 - self.beta_1, dtype)
+        one_minus_2 = ops.cast(1 - self.beta_2, dtype)
+        if _kernels.is_sparse(gradient):
+            _kernels.sparse_adam_moments(self, gradient, m, v, one_minus_1, one_minus_2)
+        else:
+            gradient = ops.cast(gradient, dtype)
+            self.assign_add(m, (gradient - m) * one_minus_1)
+            self.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
+        epsilon = self.bias_corrected_epsilon(dtype)
+        return self.direction_scale(dtype, learning_rate), m / (ops.sqrt(v) + epsilon)
+
+    def _root_2(self, dtype):
+        """`sqrt(1 - b2**t)` in float32 (float64 for float64 variables)."""
+        scalar = _rules.compute_dtype(dtype)
+        step = ops.cast(self.iterations + 1, scalar)
+        return ops.sqrt(1 - ops.power(ops.cast(self.beta_2, scalar), step))
+
+    def bias_corrected_epsilon(self, dtype):
+        """`eps * sqrt(1 - b2**t)`, the epsilon of `direction`, in `dtype`."""
+        scalar = _rules.compute_dtype(dtype)
+        return ops.cast(ops.cast(self.epsilon, scalar) * self._root_2(dtype), dtype)
+
+    def direction_scale(self, dtype, learning_rate):
+        """`lr * sqrt(1 - b2**t) / (1 - b1**t)`: the step is this times `direction`.
+
+        Computed in float32 and cast to `dtype`: in bfloat16 `b2**t` rounds
+        to 1 and the scale to 0 (with a zero epsilon term: 0 * inf = NaN).
+        """
+        scalar = _rules.compute_dtype(dtype)
+        step = ops.cast(self.iterations + 1, scalar)
+        correction_1 = 1 - ops.power(ops.cast(self.beta_1, scalar), step)
+        scale = ops.cast(learning_rate, scalar) / correction_1 * self._root_2(dtype)
+        return ops.cast(scale, dtype)
+
+
+def lamb_direction(lamb, gradient, variable, learning_rate, decay):
+    """Steps 1 and 2 of `lamb`: Adam's moments, and the step `lr * u` with
+    `u = m_hat / (sqrt(v_hat) + eps) + wd * w` as `(scale, direction)`."""
+    adam = lamb.inner_optimizer
+    scale, direction = adam.direction(gradient, variable, learning_rate)
+    return scale, lamb._with_decay(direction, scale, variable, learning_rate, decay)
 
 
 def _check_learning_rate(learning_rate):
@@ -139,32 +227,32 @@ class LAMB(TrustRatio):
             name=name,
             **kwargs,
         )
-        self._direction_buffers = DirectionBuffers()
-
-    def _inner_step(self, gradient, variable, learning_rate, decay):
-        # Adam's direction and its scalar, never their product (one pass
-        # fewer); without XLA and outside tf.distribute, one fused kernel.
-        adam = self.inner_optimizer
-        if self._fusable(variable):
-            buffer = self._direction_buffers.get(variable)
-            # The scale depends on the step count and the rate only, so it
-            # is known before the kernel runs (the decay term needs it).
-            scale = adam.direction_scale(variable.dtype, learning_rate)
-            if decay == 0.0:
-                start = tf.zeros_like(variable)
-            else:
-                start = self._decay_factor(scale, learning_rate, decay) * variable
-            adam.fused_direction(gradient, variable, buffer, start)
-            return scale, tf.convert_to_tensor(buffer)
-        scale, direction = adam.direction(gradient, variable, learning_rate)
-        return scale, self._with_decay(direction, scale, variable, learning_rate, decay)
-
-    def _fusable(self, variable):
-        return (
-            variable.dtype in (tf.float32, tf.float64)
-            and not tf.distribute.has_strategy()
-            and not _internals.in_xla_context()
+        # LAMB's fused-kernel scratch space (TensorFlow only; never saved).
+        self._direction_buffers = (
+            None if _kernels is _rules else _kernels.DirectionBuffers()
         )
+
+    def update_step(self, gradient, variable, learning_rate):
+        """LAMB's step for one variable (docs/algorithms.md).
+
+        `lr * T * u` is taken as `T * scale * direction`: Adam's two bias
+        corrections and the rate are the scalar `scale`, so the variable
+        and the moments are each read once.
+        """
+        if _kernels.is_sparse(gradient):
+            # Step 5: Adam's own sparse update, no ratio, no weight decay.
+            self.inner_optimizer.update_step(gradient, variable, learning_rate)
+            return
+        index = _internals.variable_index(self, variable)
+        decay = self._variable_weight_decay[index]
+        # Steps 1 and 2: m, v and lr * (m_hat / (sqrt(v_hat) + eps) + wd w).
+        if self._direction_buffers is not None and _kernels.lamb_fusable(variable):
+            direction_of = _kernels.lamb_direction
+        else:
+            direction_of = lamb_direction
+        scale, direction = direction_of(self, gradient, variable, learning_rate, decay)
+        # Steps 3 and 4: T from |w| and |u|; w <- w - T * scale * direction.
+        self._take_step(index, variable, scale, direction, learning_rate)
 
     @property
     def beta_1(self):

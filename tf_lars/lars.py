@@ -1,14 +1,16 @@
-"""Layer-wise Adaptive Rate Scaling (LARS) for Keras 3 on TensorFlow.
+"""Layer-wise Adaptive Rate Scaling (LARS) for Keras 3, on every backend.
 
-The update rule is docs/algorithms.md, section "LARS"; the steps of
-`LARS._update` carry its numbers. What makes it fast lives in
-`tf_lars/_lars_fast.py`.
+The update rule is docs/algorithms.md, section "LARS"; `LARS._trust_ratios`
+(step 2) and `LARS._update` (steps 1, 3 and 4) carry its numbers, in
+`keras.ops`. On the TensorFlow backend the norms and the momentum step run
+as TensorFlow kernels of the same signature, and sparse gradients take
+step 5 (`tf_lars/_tf_fast.py`).
 """
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from tf_lars import _internals, _lars_fast
+from tf_lars import _internals, _rules
 from tf_lars._exclusions import (
     ALL_1D,
     SOURCE_PATH_ATTRIBUTE,
@@ -24,9 +26,12 @@ from tf_lars._validation import (
 
 __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
 
+_kernels = _rules.kernels()
+_Apply = _kernels.CompiledApply if _kernels is not _rules else _rules.PlainApply
+
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optimizer):
+class LARS(LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Scaling (LARS).
 
     Each dense variable gets its own trust ratio from the norms of the
@@ -186,30 +191,51 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
         return
 
     # ------------------------------------------------------- the update rule
+    #: The norms of step 2 (`_rules.norms`, or TensorFlow's folded ones).
+    _norms = staticmethod(_kernels.norms)
+
     def _trust_ratios(self, grads, variables):
-        """Step 2 for every dense gradient at once (`None` for sparse ones)."""
+        """Step 2 for every dense gradient at once (`None` for sparse ones).
+
+        The norms of all adapted variables of one compute dtype come from
+        one `norms` call, and their ratios from one `trust_ratio` call.
+        """
         indices = [_internals.variable_index(self, v) for v in variables]
-
-        def ratio(w_norm, g_norm, decays, dtype):
-            # "paper": |g| + wd |w|; "decayed": |g'| (g' already in g_norm).
-            if self.trust_ratio == "paper":
-                g_norm_plus_decay = g_norm + decays * w_norm
-            else:
-                g_norm_plus_decay = g_norm
-            denominator = g_norm_plus_decay + tf.constant(self.epsilon, dtype)
-            usable = tf.logical_and(w_norm > 0, g_norm > 0)
-            ones = tf.ones_like(w_norm)
-            trust = tf.constant(self.trust_coefficient, dtype) * w_norm
-            return tf.where(usable, trust / tf.where(usable, denominator, ones), ones)
-
-        return _lars_fast.batched_trust_ratios(
-            grads,
-            variables,
-            adapted=[self._variable_adapted[i] for i in indices],
-            decays=[self._variable_weight_decay[i] for i in indices],
-            decay_in_norm=self.trust_ratio == "decayed" and self.decay_in_gradient,
-            ratio=ratio,
-        )
+        ratios = [None] * len(variables)
+        adapted = {}
+        for position, (grad, variable) in enumerate(zip(grads, variables, strict=True)):
+            if _kernels.is_sparse(grad):
+                continue
+            dtype = _rules.compute_dtype(variable.dtype)
+            ratios[position] = ops.ones((), dtype)
+            if self._variable_adapted[indices[position]]:
+                adapted.setdefault(dtype, []).append(position)
+        for dtype, positions in adapted.items():
+            decays = [self._variable_weight_decay[indices[p]] for p in positions]
+            weights = [ops.cast(variables[p], dtype) for p in positions]
+            grads_in_norm = [ops.cast(grads[p], dtype) for p in positions]
+            if self.trust_ratio == "decayed" and self.decay_in_gradient:
+                # |g'| with g' = g + wd w (step 1).
+                grads_in_norm = [
+                    g + ops.cast(decay, dtype) * w if decay != 0.0 else g
+                    for g, w, decay in zip(grads_in_norm, weights, decays, strict=True)
+                ]
+            both = self._norms(weights + grads_in_norm)
+            w_norm, g_norm = both[: len(positions)], both[len(positions) :]
+            if self.trust_ratio == "paper":  # |g| + wd |w|
+                update_norm = g_norm + ops.convert_to_tensor(decays, dtype) * w_norm
+            else:  # |g'|
+                update_norm = g_norm
+            vector = _rules.trust_ratio(
+                w_norm,
+                update_norm,
+                self.trust_coefficient,
+                self.epsilon,
+                defined=ops.logical_and(w_norm > 0, g_norm > 0),
+            )
+            for k, position in enumerate(positions):
+                ratios[position] = vector[k]
+        return ratios
 
     def update_step(self, gradient, variable, learning_rate):
         """Updates one variable (`apply` batches step 2 over all of them)."""
@@ -217,110 +243,55 @@ class LARS(LayerwiseExclusions, _lars_fast.CompiledApply, keras.optimizers.Optim
         self._update(gradient, variable, learning_rate, ratio)
 
     def _update(self, gradient, variable, learning_rate, ratio):
-        """Steps 1, 3, 4 and 5 for one variable, given its trust ratio."""
+        """Steps 1, 3, 4 (and 5) for one variable, given its trust ratio."""
         index = _internals.variable_index(self, variable)
         slot = self.momentums[index] if self.momentum != 0 else None
         dtype = variable.dtype
-        if isinstance(gradient, tf.IndexedSlices):
-            self._sparse_update(gradient, variable, learning_rate, slot)
+        if _kernels.is_sparse(gradient):  # Step 5 (TensorFlow only).
+            _kernels.sparse_momentum_step(self, gradient, variable, learning_rate, slot)
             return
         # Step 1: coupled weight decay in the gradient.
-        gradient = tf.cast(gradient, dtype)
+        gradient = ops.cast(gradient, dtype)
         decay = self._variable_weight_decay[index]
         if self.decay_in_gradient and decay != 0.0:
-            gradient = gradient + tf.constant(decay, dtype) * variable
+            gradient = gradient + ops.cast(decay, dtype) * variable
         # Step 3: the local rate.
-        learning_rate = tf.cast(learning_rate, ratio.dtype)
+        learning_rate = ops.cast(learning_rate, ratio.dtype)
         if self.trust_clip and self._variable_adapted[index]:
-            rate = tf.cast(tf.minimum(ratio, learning_rate), dtype)
+            rate = ops.cast(ops.minimum(ratio, learning_rate), dtype)
         else:
-            rate = tf.cast(learning_rate * ratio, dtype)
+            rate = ops.cast(learning_rate * ratio, dtype)
         # Step 4: momentum.
         if slot is None:
             self.assign_sub(variable, rate * gradient)
         elif self.classic_momentum:  # v <- mu v + r g';  w <- w - v
-            _lars_fast.momentum_step(
-                variable, slot, rate * gradient, tf.ones([], dtype), **self._mu
+            _kernels.momentum_step(
+                self, variable, slot, rate * gradient, ops.ones((), dtype), **self._mu
             )
         else:  # v <- mu v + g';  w <- w - r v
-            _lars_fast.momentum_step(variable, slot, gradient, rate, **self._mu)
+            _kernels.momentum_step(self, variable, slot, gradient, rate, **self._mu)
 
     @property
     def _mu(self):
         return {"momentum": self.momentum, "nesterov": self.nesterov}
 
-    def _sparse_update(self, gradient, variable, learning_rate, slot):
-        """Step 5: row-wise momentum on the touched rows, duplicates summed.
-
-        No sort and no `tf.unique` (slow under XLA): scatter-adds sum repeated
-        rows by themselves, and every other write is a scatter-update of
-        values that are identical for repeated rows. Gathers go through the
-        backing `tf.Variable`: reading a `keras.Variable` as a tensor would
-        read every row.
-        """
-        dtype = variable.dtype
-        rows = gradient.indices
-        values = tf.cast(gradient.values, dtype)
-        rate = tf.cast(learning_rate, dtype)
-        target = variable.value if isinstance(variable, keras.Variable) else variable
-        if slot is None:
-            self.assign_sub(variable, tf.IndexedSlices(rate * values, rows))
-            return
-        mu = tf.constant(self.momentum, dtype)
-        # v[i] <- mu v[i] (idempotent), then += (rate *) g once per occurrence.
-        self.assign(slot, tf.IndexedSlices(mu * tf.gather(slot.value, rows), rows))
-        added = rate * values if self.classic_momentum else values
-        self.assign_add(slot, tf.IndexedSlices(added, rows))
-        velocity = tf.gather(slot.value, rows)
-        if self.nesterov:
-            # The gradient part of the Nesterov step, summed over duplicates.
-            self.assign_sub(variable, tf.IndexedSlices(rate * values, rows))
-            step = mu * velocity if self.classic_momentum else rate * mu * velocity
-        else:
-            step = velocity if self.classic_momentum else rate * velocity
-        self.assign(variable, tf.IndexedSlices(tf.gather(target, rows) - step, rows))
-
-    # ---------------------------------------------------------- distribution
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        tf_variables = [_internals.backing_variable(v) for v in trainable_variables]
-        grads_and_vars = _internals.all_reduce_sum_gradients(
-            self, list(zip(grads, tf_variables))
-        )
-        grads = [g for g, _ in grads_and_vars]
-        # Ratios in replica context, on the all-reduced gradients: every
-        # replica gets the same ratios, each computed once per step.
-        ratios = self._trust_ratios(grads, tf_variables)
-        self._record_trust_ratios(tf_variables, ratios)
-
-        def update(distribution, grads_and_vars, ratios, learning_rate):
-            for (gradient, variable), ratio in zip(grads_and_vars, ratios, strict=True):
-                distribution.extended.update(
-                    variable,
-                    lambda v, g, r, lr: self._update(g, v, lr, r),
-                    args=(gradient, ratio, learning_rate),
-                    group=False,
-                )
-
-        _internals.maybe_merge_call(
-            update,
-            _internals.distribution_strategy(self),
-            grads_and_vars,
-            ratios,
-            learning_rate,
-        )
+        if _kernels is not _rules:
+            # TensorFlow: the same steps, across replicas under tf.distribute.
+            _kernels.lars_update_step(self, grads, trainable_variables, learning_rate)
+            return
+        ratios = self._trust_ratios(grads, trainable_variables)
+        self._record_trust_ratios(trainable_variables, ratios)
+        for gradient, variable, ratio in zip(
+            grads, trainable_variables, ratios, strict=True
+        ):
+            self._update(gradient, variable, learning_rate, ratio)
 
     def _record_trust_ratios(self, variables, ratios):
-        positions = [[_internals.variable_index(self, v)] for v in variables]
-        values = tf.stack(
-            [tf.constant(1.0) if r is None else tf.cast(r, tf.float32) for r in ratios]
-        )
-        # A full assign rather than a scatter: what mirrored variables support
-        # from replica context.
-        self.assign(
-            self.trust_ratios,
-            tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(self.trust_ratios), positions, values
-            ),
+        _rules.record_trust_ratios(
+            self,
+            [_internals.variable_index(self, v) for v in variables],
+            [ops.ones(()) if r is None else r for r in ratios],
         )
 
     # --------------------------------------------------------- serialization

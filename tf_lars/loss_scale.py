@@ -5,7 +5,7 @@ import numbers
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from tf_lars import _internals
 from tf_lars._validation import check_inner_learning_rate, check_int
@@ -14,7 +14,12 @@ from tf_lars._wrapper import (
     InnerOptimizerWrapper,
     all_finite,
     gradient_as_tensor,
+    is_indexed_slices,
+    on_tensorflow,
 )
+
+# TensorFlow is imported inside the methods of the TensorFlow path only, so
+# that the wrapper loads without it on the JAX and PyTorch backends.
 
 # The scale lives in a float32 variable. Doubling past the largest float32
 # would make it inf (every later step non-finite, the scale stuck at inf) and
@@ -22,6 +27,11 @@ from tf_lars._wrapper import (
 # gradient becomes 0 / 0). Keras 3 lets both happen; we stop at the edge.
 _MAX_SCALE = float(np.finfo(np.float32).max)
 _MIN_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def _count_dtype():
+    # JAX without its 64-bit mode has no int64 (a cast warns and gives int32).
+    return "int32" if keras.backend.backend() == "jax" else "int64"
 
 
 def _is_bool(value):
@@ -69,14 +79,26 @@ def _unscale(gradient, scale):
     """
     if gradient is None:
         return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
+    if is_indexed_slices(gradient):
+        return type(gradient)(
             _unscale(gradient.values, scale), gradient.indices, gradient.dense_shape
         )
-    dtype = gradient.dtype
-    compute_dtype = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
-    unscaled = tf.cast(gradient, compute_dtype) / tf.cast(scale, compute_dtype)
-    return tf.cast(unscaled, dtype)
+    dtype = keras.backend.standardize_dtype(gradient.dtype)
+    compute_dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
+    unscaled = ops.divide(
+        ops.cast(gradient, compute_dtype), ops.cast(scale, compute_dtype)
+    )
+    return ops.cast(unscaled, dtype)
+
+
+def _snapshot(variable):
+    """The variable's current value, kept apart from later in-place updates.
+
+    JAX arrays are immutable; PyTorch optimizers update tensors in place, so
+    there the value is copied.
+    """
+    value = variable.value
+    return value if keras.backend.backend() == "jax" else ops.copy(value)
 
 
 def _pop_base_defaults(kwargs):
@@ -222,15 +244,19 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
     def loss_scale(self):
         """The current loss scale, a float32 scalar tensor."""
         if not self.built:
-            return tf.constant(self.initial_scale, tf.float32)
-        return tf.convert_to_tensor(self.dynamic_scale.value)
+            return ops.convert_to_tensor(self.initial_scale, "float32")
+        # A copy: PyTorch's variable value is the live, updated tensor.
+        return ops.copy(self.dynamic_scale.value)
 
     @property
     def skipped_steps(self):
-        """How many steps were skipped for a non-finite gradient (int64)."""
+        """How many steps were skipped for a non-finite gradient.
+
+        int64 (int32 on JAX unless its 64-bit mode is on).
+        """
         if not self.built:
-            return tf.constant(0, tf.int64)
-        return tf.cast(tf.convert_to_tensor(self.skipped_step_counter.value), tf.int64)
+            return ops.convert_to_tensor(0, _count_dtype())
+        return ops.cast(ops.copy(self.skipped_step_counter.value), _count_dtype())
 
     def check_finite(self, grads):
         """A scalar bool tensor: every gradient (dense or sparse) is finite."""
@@ -249,8 +275,9 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
     def apply(self, grads, trainable_variables=None):
         """Unscales and applies `grads`, or skips the step if any is non-finite.
 
-        `grads` are gradients of `scale_loss(loss)`. Call in replica context
-        (eagerly, in a `tf.function`, or inside `strategy.run`).
+        `grads` are gradients of `scale_loss(loss)`. On TensorFlow, call in
+        replica context (eagerly, in a `tf.function`, or inside
+        `strategy.run`).
         """
         grads = [gradient_as_tensor(g) for g in grads]
         if len(grads) == 0:
@@ -267,6 +294,101 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
                 "optimizer must already be built. Call "
                 "`optimizer.build(trainable_variables)` first."
             )
+        if on_tensorflow():
+            self._apply_on_tensorflow(grads, trainable_variables)
+        else:
+            self._apply_and_select(grads, trainable_variables)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """`apply` on given values: returns the new model and optimizer values.
+
+        What the JAX trainer calls (under `jax.jit` or not). Not on the
+        TensorFlow backend, whose optimizers write their variables directly.
+        """
+        if on_tensorflow():
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables
+            )
+        if not self.built:
+            raise ValueError(
+                "To call `stateless_apply`, LossScaleOptimizer must be built. "
+                "Call `optimizer.build(trainable_variables)` first."
+            )
+        model_variables = list(_internals.trainable_variables_of(self))
+        own_variables = list(self.variables)
+        mapping = list(zip(model_variables, trainable_variables, strict=True))
+        mapping += list(zip(own_variables, optimizer_variables, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self._apply_and_select(grads, None)
+
+        def current(variables, values):
+            found = [scope.get_current_value(v) for v in variables]
+            return [v if f is None else f for f, v in zip(found, values)]
+
+        return (
+            current(model_variables, trainable_variables),
+            current(own_variables, optimizer_variables),
+        )
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars, strict=True)
+        self.apply(grads, trainable_variables)
+        # The wrapper's own `_iterations` never moves; report the inner one.
+        return self.iterations
+
+    def _unscaled(self, grads, variables):
+        scale = self.dynamic_scale.value
+        return [
+            g
+            if g is None or _internals.overwrites_with_gradient(self, v)
+            else _unscale(g, scale)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+
+    # ------------------------------------------- JAX and PyTorch: selection
+    def _apply_and_select(self, grads, trainable_variables):
+        """The inner step, kept where every gradient is finite, else undone.
+
+        The decision stays a device tensor: both outcomes are computed and
+        `ops.where` picks one for every model variable, inner variable
+        (slots, `iterations`) and counter. A branch (`ops.cond`) would be a
+        host round trip on PyTorch and leaks tracers from an eager `apply`
+        on JAX; under `jax.jit` XLA fuses the selection into the update.
+        """
+        variables = trainable_variables or _internals.trainable_variables_of(self)
+        finite = self.check_finite(grads)
+        unscaled = self._unscaled(grads, variables)
+        state = [*variables, *self.inner_optimizer.variables]
+        before = [_snapshot(v) for v in state]
+        self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+        for variable, old in zip(state, before, strict=True):
+            variable.assign(ops.where(finite, variable.value, old))
+        self._select_scale(finite)
+
+    def _select_scale(self, finite):
+        skipped = self.skipped_step_counter.value
+        self.skipped_step_counter.assign(ops.where(finite, skipped, skipped + 1))
+        if not self.dynamic:
+            return
+        counter = self.step_counter.value
+        scale = self.dynamic_scale.value
+        grow = ops.equal(counter, self.dynamic_growth_steps - 1)
+        doubled = scale * 2.0
+        scale_if_finite = ops.where(
+            grow, ops.where(doubled <= _MAX_SCALE, doubled, scale), scale
+        )
+        counter_if_finite = ops.where(grow, ops.zeros_like(counter), counter + 1)
+        self.step_counter.assign(
+            ops.where(finite, counter_if_finite, ops.zeros_like(counter))
+        )
+        self.dynamic_scale.assign(
+            ops.where(finite, scale_if_finite, ops.maximum(scale * 0.5, _MIN_SCALE))
+        )
+
+    # -------------------------------------------- TensorFlow: a conditional
+    def _apply_on_tensorflow(self, grads, trainable_variables):
+        import tensorflow as tf
+
         if tf.distribute.in_cross_replica_context():
             raise ValueError("`apply()` must be called in a replica context.")
 
@@ -289,15 +411,11 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
                 args=(non_finite, grads, trainable_variables),
             )
 
-    def apply_gradients(self, grads_and_vars):
-        grads, trainable_variables = zip(*grads_and_vars, strict=True)
-        self.apply(grads, trainable_variables)
-        # The wrapper's own `_iterations` never moves; report the inner one.
-        return self.iterations
-
     def _cross_replica_apply_or_skip(
         self, distribution, non_finite, grads, trainable_variables
     ):
+        import tensorflow as tf
+
         if distribution.num_replicas_in_sync > 1:
             # Summed where the strategy reduces to (on one host for a single
             # worker): no extra collective in the step.
@@ -315,6 +433,8 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         tf.cond(tf.equal(non_finite, 0.0), apply_unscaled, self._skip_step)
 
     def _apply_or_skip(self, finite, grads, trainable_variables):
+        import tensorflow as tf
+
         tf.cond(
             finite,
             lambda: self._apply_unscaled(grads, trainable_variables),
@@ -322,19 +442,15 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         )
 
     def _apply_unscaled(self, grads, trainable_variables):
-        scale = tf.convert_to_tensor(self.dynamic_scale.value)
         variables = trainable_variables or _internals.trainable_variables_of(self)
-        unscaled = [
-            g
-            if g is None or _internals.overwrites_with_gradient(self, v)
-            else _unscale(g, scale)
-            for g, v in zip(grads, variables, strict=True)
-        ]
+        unscaled = self._unscaled(grads, variables)
         self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
         if self.dynamic:
             self._count_finite_step()
 
     def _count_finite_step(self):
+        import tensorflow as tf
+
         def grow():
             doubled = self.dynamic_scale.value * 2.0
             self.assign(self.step_counter, 0)
@@ -353,6 +469,8 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         )
 
     def _skip_step(self):
+        import tensorflow as tf
+
         self.assign_add(self.skipped_step_counter, 1)
         if self.dynamic:
             self.assign(self.step_counter, 0)

@@ -6,11 +6,12 @@ around Adam.
 """
 
 import contextlib
+import functools
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from tf_lars import _internals, _lars_fast
+from tf_lars import _internals, _rules
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
     check_bool,
@@ -21,6 +22,9 @@ from tf_lars._validation import (
 from tf_lars._wrapper import InnerOptimizerWrapper
 
 __all__ = ["TrustRatio"]
+
+_kernels = _rules.kernels()
+_Apply = _kernels.CompiledApply if _kernels is not _rules else _rules.PlainApply
 
 # Base-class arguments that belong to the wrapper: set on the inner optimizer
 # they would act on the direction alone (or, for `weight_decay`, outside the
@@ -82,8 +86,9 @@ def _check_inner_optimizer(inner_optimizer):
 
 
 def _same_variable(a, b):
-    if a is b:
-        return True
+    if a is b or keras.backend.backend() != "tensorflow":
+        return a is b
+    # TensorFlow hands `update_step` the backing `tf.Variable` of a Keras one.
     unwrap = lambda x: x.value if isinstance(x, keras.Variable) else x  # noqa: E731
     return unwrap(a) is unwrap(b)
 
@@ -126,21 +131,38 @@ def _step_of(writes, variable):
     """The inner step `s` (`w_new = w - s`) from the captured writes."""
     step = None
     for kind, value in writes:
-        value = tf.cast(value, variable.dtype)
+        value = ops.cast(value, variable.dtype)
         if kind == "assign_sub":
             step = value if step is None else step + value
         elif kind == "assign_add":
             step = -value if step is None else step - value
         else:  # a full assign: w_new = value
-            step = tf.convert_to_tensor(variable) - value
+            step = ops.convert_to_tensor(variable) - value
     return step
+
+
+def _per_variable_update(inner):
+    """`inner._backend_update_step`, or where it steps variable by variable.
+
+    The torch backend swaps in its own subclasses of nine Keras optimizers
+    (SGD, Adam, ...) whose step updates every variable at once with
+    `torch._foreach_*` and never calls `update_step`; their Keras parent's
+    `_backend_update_step` (Nadam's included) takes the same step one
+    variable at a time through `update_step`.
+    """
+    for klass in type(inner).__mro__:
+        if "_backend_update_step" in vars(klass) and not klass.__module__.startswith(
+            "keras.src.backend.torch."
+        ):
+            return functools.partial(klass._backend_update_step, inner)
+    return inner._backend_update_step
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
 class TrustRatio(
     InnerOptimizerWrapper,
     LayerwiseExclusions,
-    _lars_fast.CompiledApply,
+    _Apply,
     keras.optimizers.Optimizer,
 ):
     """A layer-wise trust ratio around any Keras optimizer.
@@ -300,11 +322,11 @@ class TrustRatio(
         inner = self.inner_optimizer
         inner.__dict__["update_step"] = self.update_step
         try:
-            inner._backend_update_step(grads, trainable_variables, learning_rate)
+            _per_variable_update(inner)(grads, trainable_variables, learning_rate)
         finally:
             inner.__dict__.pop("update_step", None)
         # The inner optimizer's own step count (Adam's bias correction).
-        inner.iterations.assign_add(1)
+        self.assign_add(inner.iterations, ops.ones((), inner.iterations.dtype))
 
     def _inner_update_step(self, gradient, variable, learning_rate):
         """The inner optimizer's own `update_step` (its class's, never ours)."""
@@ -313,74 +335,87 @@ class TrustRatio(
 
     def update_step(self, gradient, variable, learning_rate):
         """Steps 1-5 for one variable (docs/algorithms.md)."""
-        if isinstance(gradient, tf.IndexedSlices):
+        if _kernels.is_sparse(gradient):
             # Step 5: the inner optimizer's own sparse update, no ratio.
             self._inner_update_step(gradient, variable, learning_rate)
             return
         index = _internals.variable_index(self, variable)
-        dtype = variable.dtype
         # Steps 1 and 2: lr * u = scale * direction, weight decay included.
         scale, direction = self._inner_step(
             gradient, variable, learning_rate, self._variable_weight_decay[index]
         )
-        # Steps 3 and 4: the ratio, from |w| and |u| = |scale| |direction| / lr.
+        self._take_step(index, variable, scale, direction, learning_rate)
+
+    def _take_step(self, index, variable, scale, direction, learning_rate):
+        """Steps 3 and 4: `w <- w - T * scale * direction`, `T` recorded."""
         if self._variable_adapted[index]:
-            ratio = self._ratio(variable, direction, scale, learning_rate)
-            self.assign(
-                self.trust_ratios,
-                tf.IndexedSlices(tf.reshape(tf.cast(ratio, tf.float32), [1]), [index]),
-            )
-            scale = tf.cast(ratio, dtype) * scale
-        # w <- w - T * scale * direction, one fused pass (`scaled_step`).
-        _lars_fast.scaled_step(variable, scale, direction)
+            ratio = self._step_trust_ratio(variable, direction, scale, learning_rate)
+            _rules.record_trust_ratios(self, [index], [ratio])
+            scale = ops.cast(ratio, variable.dtype) * scale
+        _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
         """Steps 1 and 2: `lr * u` as `(scale, direction)`.
 
         The inner optimizer runs its own `update_step`; its write to
         `variable` is captured (`s = w - w_new`) and taken with scale 1;
-        then the decay is added. `LAMB` overrides this to compute Adam's
-        direction and the scalar it is applied with, which saves passes
-        over the variable.
+        then the decay is added.
         """
         with _captured_step(self.inner_optimizer, variable) as writes:
             self._inner_update_step(gradient, variable, learning_rate)
         step = _step_of(writes, variable)
         if step is None:
-            step = tf.zeros(variable.shape, variable.dtype)
-        scale = tf.ones([], variable.dtype)
+            step = ops.zeros(variable.shape, variable.dtype)
+        scale = ops.ones((), variable.dtype)
         return scale, self._with_decay(step, scale, variable, learning_rate, decay)
 
     @staticmethod
     def _decay_factor(scale, learning_rate, decay):
         """`lr * wd / scale` (0 where scale is 0: then nothing moves anyway)."""
         dtype = scale.dtype
-        divisor = tf.where(tf.equal(scale, 0), tf.ones_like(scale), scale)
-        return tf.cast(learning_rate, dtype) * tf.constant(decay, dtype) / divisor
+        divisor = ops.where(ops.equal(scale, 0), ops.ones_like(scale), scale)
+        return ops.cast(learning_rate, dtype) * ops.cast(decay, dtype) / divisor
 
     def _with_decay(self, direction, scale, variable, learning_rate, decay):
         """Step 2: u = d + wd * w, kept as lr * u = scale * (direction +
         (lr * wd / scale) * w)."""
         if decay == 0.0:
             return direction
-        return direction + self._decay_factor(scale, learning_rate, decay) * variable
+        factor = self._decay_factor(scale, learning_rate, decay)
+        return direction + factor * ops.convert_to_tensor(variable)
 
-    def _ratio(self, variable, direction, scale, learning_rate):
-        compute = _lars_fast.compute_dtype(variable)
-        w_norm, direction_norm = tf.unstack(
-            _lars_fast.norms([tf.cast(variable, compute), tf.cast(direction, compute)])
+    def _step_trust_ratio(self, variable, direction, scale, learning_rate):
+        """Step 3: `T` from `|w|` and `|u| = |scale| |direction| / lr`."""
+        compute = _rules.compute_dtype(variable.dtype)
+        both = _kernels.norms(
+            [ops.cast(variable, compute), ops.cast(direction, compute)]
         )
-        step_norm = tf.abs(tf.cast(scale, compute)) * direction_norm
-        rate = tf.cast(learning_rate, compute)
-        usable = tf.logical_and(w_norm > 0, tf.logical_and(step_norm > 0, rate > 0))
-        one = tf.ones([], compute)
-        u_norm = step_norm / tf.where(usable, rate, one)
-        trust = tf.constant(self.trust_coefficient, compute) * w_norm
-        ratio = trust / (u_norm + tf.constant(self._trust_epsilon, compute))
-        ratio = tf.where(usable, ratio, one)
+        w_norm, direction_norm = both[0], both[1]
+        step_norm = ops.abs(ops.cast(scale, compute)) * direction_norm
+        rate = ops.cast(learning_rate, compute)
+        defined = ops.logical_and(w_norm > 0, ops.logical_and(step_norm > 0, rate > 0))
+        u_norm = step_norm / ops.where(defined, rate, ops.ones_like(rate))
+        ratio = _rules.trust_ratio(
+            w_norm, u_norm, self.trust_coefficient, self._trust_epsilon, defined
+        )
         if self.trust_clip:
-            ratio = tf.minimum(ratio, one)
+            ratio = ops.minimum(ratio, ops.ones_like(ratio))
         return ratio
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Keras's `stateless_apply` (what the JAX trainer calls).
+
+        Every write of the wrapper and of the inner optimizer goes through
+        `assign*`, so Keras's stateless scope records it. The TensorFlow
+        backend refuses it, as for every Keras optimizer there.
+        """
+        if keras.backend.backend() == "tensorflow":
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables
+            )
+        return keras.optimizers.Optimizer.stateless_apply(
+            self, optimizer_variables, grads, trainable_variables
+        )
 
     # --------------------------------------------------------- serialization
     def _trust_ratio_config(self):

@@ -122,7 +122,8 @@ def _compiled_steps(contenders, shapes):
 
 
 # Every benchmark row's optimizer, by row name; a row named
-# "<name>, reduce_sum norms" is <name> traced with `FOLD_INTO_MATVEC` off.
+# "<name>, reduce_sum norms" is <name> with the portable norms
+# (`tf_lars._rules.norms`) in place of TensorFlow's folded ones.
 REFERENCE_NORMS = ", reduce_sum norms"
 
 
@@ -145,7 +146,12 @@ def make_optimizer(name):
         ),
         "tf_lars.LAMB(weight_decay=0)": lambda: tf_lars.LAMB(1e-3),
     }
-    return makers[name.removesuffix(REFERENCE_NORMS)]()
+    optimizer = makers[name.removesuffix(REFERENCE_NORMS)]()
+    if name.endswith(REFERENCE_NORMS):
+        from tf_lars import _rules
+
+        optimizer._norms = _rules.norms
+    return optimizer
 
 
 def _makers(names):
@@ -154,24 +160,18 @@ def _makers(names):
 
 def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=True):
     """SGD-momentum against LARS, XLA-compiled `apply` on `shapes`."""
-    from tf_lars import _lars_fast
-
     contenders = _makers(
         ["SGD(momentum=0.9)", "LARS(weight_decay=1e-4)", "LARS(weight_decay=0)"]
     )
     steps = _compiled_steps(contenders, shapes)
     if include_reference_norms:
         # The same LARS with each norm as one `reduce_sum(square(x))`: what
-        # `tf_lars._lars_fast` replaces (its docstring says why).
-        _lars_fast.FOLD_INTO_MATVEC = False
-        try:
-            steps.update(
-                _compiled_steps(
-                    _makers(["LARS(weight_decay=1e-4)" + REFERENCE_NORMS]), shapes
-                )
+        # `tf_lars._tf_fast` replaces (its docstring says why).
+        steps.update(
+            _compiled_steps(
+                _makers(["LARS(weight_decay=1e-4)" + REFERENCE_NORMS]), shapes
             )
-        finally:
-            _lars_fast.FOLD_INTO_MATVEC = True
+        )
     # Interleave the timing so that drift in machine load hits them alike.
     results = _interleaved(steps, repeats, warmup)
     if include_optax:
@@ -221,8 +221,6 @@ def bench_no_xla(shapes, repeats, warmup):
     One step of each contender in turn, `repeats` times, so that machine
     load hits neighbours alike. Returns `{name: [seconds, one per turn]}`.
     """
-    from tf_lars import _lars_fast
-
     names = [name for baseline, group in NO_XLA_GROUPS for name in (baseline, *group)]
     # Seven functions of the same Python code traced in a row: TensorFlow
     # warns about retracing, which is expected here.
@@ -235,12 +233,8 @@ def bench_no_xla(shapes, repeats, warmup):
         optimizer = make_optimizer(name)
         optimizer.build(variables)
         step = _compiled_apply_to(optimizer, variables, grads, jit_compile=False)
-        _lars_fast.FOLD_INTO_MATVEC = not name.endswith(REFERENCE_NORMS)
-        try:
-            for _ in range(max(1, warmup)):  # the first call traces
-                _done(step())
-        finally:
-            _lars_fast.FOLD_INTO_MATVEC = True
+        for _ in range(max(1, warmup)):  # the first call traces
+            _done(step())
         steps[name] = step
     samples = {name: [] for name in steps}
     for _ in range(repeats):

@@ -19,8 +19,16 @@ imports it.
 TensorFlow is imported lazily, on first use of a name that needs it.
 """
 
-from tf_lars.distribute.run import run_main
-from tf_lars.distribute.tf_config import TFConfig, TFConfigError, parse_tf_config
+from tf_lars import _require_tensorflow_backend
+
+_require_tensorflow_backend("tf_lars.distribute")
+
+from tf_lars.distribute.run import run_main  # noqa: E402
+from tf_lars.distribute.tf_config import (  # noqa: E402
+    TFConfig,
+    TFConfigError,
+    parse_tf_config,
+)
 
 _LAZY = {
     "serve": "tf_lars.distribute.cluster",
