@@ -131,6 +131,7 @@ def nightly(session):
 BACKEND_TESTS = [
     "tests/contract_test.py",
     "tests/backends_test.py",
+    "tests/backends_loss_scale_test.py",
     "tests/init_test.py",
 ]
 
