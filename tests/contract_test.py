@@ -40,7 +40,9 @@ MODES = {
 #: the default one (JAX keeps float64 off unless asked, `jax_enable_x64`).
 REFERENCE_CASES = [("float32", mode) for mode in MODES]
 if BACKEND != "jax":
-    REFERENCE_CASES.append(("float64", MODES[-1]))
+    REFERENCE_CASES.append(
+        ("float64", "default" if BACKEND == "tensorflow" else "eager")
+    )
 #: `model.fit(jit_compile=...)`; torch's is `torch.compile`, not tested here.
 FIT_JIT = [False] if BACKEND == "torch" else [False, True]
 TOLERANCE = {
@@ -204,11 +206,9 @@ def test_fit_follows_the_numpy_reference(name, jit_compile):
 
 # ---------------------------------------------------------- serialization
 def _configured():
-    """One instance per class with every constructor argument set away from
-    its default, by name."""
-    adam = keras.optimizers.Adam(1e-3, beta_1=0.8, clipnorm=1.5)
-    lars = tf_lars.LARS(
-        learning_rate=0.3,
+    """Per class, the constructor arguments, each set away from its default."""
+    lars = dict(
+        learning_rate=0.25,
         momentum=0.8,
         weight_decay=1e-4,
         trust_coefficient=0.02,
@@ -224,44 +224,64 @@ def _configured():
         name="my_lars",
     )
     configured = {
-        "lars": lars,
-        "lamb": tf_lars.LAMB(
-            learning_rate=0.01,
-            beta_1=0.8,
-            beta_2=0.99,
-            epsilon=1e-3,
-            weight_decay=0.1,
-            trust_clip=True,
-            exclude_from_weight_decay=["bias"],
-            exclude_from_layer_adaptation=[],
-            clipnorm=1.0,
-            name="my_lamb",
+        "lars": (tf_lars.LARS, lambda: lars),
+        "lamb": (
+            tf_lars.LAMB,
+            lambda: dict(
+                learning_rate=2.0**-7,  # exact in the float32 variable
+                beta_1=0.8,
+                beta_2=0.99,
+                epsilon=1e-3,
+                weight_decay=0.1,
+                trust_clip=True,
+                exclude_from_weight_decay=["bias"],
+                exclude_from_layer_adaptation=[],
+                clipnorm=1.0,
+                name="my_lamb",
+            ),
         ),
-        "trust_ratio": tf_lars.TrustRatio(
-            keras.optimizers.Adam(0.01),
-            weight_decay=0.1,
-            trust_coefficient=0.5,
-            epsilon=1e-3,
-            trust_clip=True,
-            exclude_from_weight_decay=["bias"],
-            exclude_from_layer_adaptation=[],
-            name="my_ratio",
+        "trust_ratio_adam": (
+            tf_lars.TrustRatio,
+            lambda: dict(
+                inner_optimizer=keras.optimizers.Adam(0.01),
+                weight_decay=0.1,
+                trust_coefficient=0.5,
+                epsilon=1e-3,
+                trust_clip=True,
+                exclude_from_weight_decay=["bias"],
+                exclude_from_layer_adaptation=[],
+                name="my_ratio",
+            ),
         ),
     }
-    for inner_name, inner in (
-        ("sgd", keras.optimizers.SGD(0.3, momentum=0.7, nesterov=True)),
-        ("adam", adam),
-        ("lars", tf_lars.LARS.from_config(lars.get_config())),
-    ):
-        configured[f"loss_scale_{inner_name}"] = tf_lars.LossScaleOptimizer(
-            inner, initial_scale=128, dynamic=False, dynamic_growth_steps=7, name="ls"
+    inners = {
+        "sgd": lambda: keras.optimizers.SGD(0.3, momentum=0.7, nesterov=True),
+        "adam": lambda: keras.optimizers.Adam(1e-3, beta_1=0.8, clipnorm=1.5),
+        "lars": lambda: tf_lars.LARS(**lars),
+    }
+    for inner_name, make in inners.items():
+        configured[f"loss_scale_{inner_name}"] = (
+            tf_lars.LossScaleOptimizer,
+            lambda make=make: dict(
+                inner_optimizer=make(),
+                initial_scale=128.0,
+                dynamic=False,
+                dynamic_growth_steps=7,
+                name="ls",
+            ),
         )
     if BACKEND == "tensorflow":
         for inner_name, make in under_test.AGN_INNERS.items():
-            configured[f"agn_{inner_name}"] = tf_lars.AGN(
-                make(), communication_period=7, name="my_agn"
+            configured[f"agn_{inner_name}"] = (
+                tf_lars.AGN,
+                lambda make=make: dict(
+                    inner_optimizer=make(), communication_period=7, name="my_agn"
+                ),
             )
     return configured
+
+
+CONFIGURED = _configured()
 
 
 def _check_round_trip(optimizer, arguments):
@@ -269,10 +289,6 @@ def _check_round_trip(optimizer, arguments):
     config = optimizer.get_config()
     parameters = set(inspect.signature(cls.__init__).parameters)
     assert set(config) == parameters - {"self", "kwargs"}
-    for argument, value in arguments.items():
-        if isinstance(value, keras.optimizers.Optimizer):
-            value = keras.saving.serialize_keras_object(value)
-        assert config[argument] == value, argument
     json.dumps(config)  # A .keras file stores it as JSON.
     restored = cls.from_config(config)
     assert type(restored) is cls and restored.get_config() == config
@@ -283,6 +299,15 @@ def _check_round_trip(optimizer, arguments):
     assert type(again) is cls and again.get_config() == config
     chains = under_test.inner_chain(optimizer), under_test.inner_chain(again)
     assert [type(o) for o in chains[0]] == [type(o) for o in chains[1]]
+    for argument, value in arguments.items():
+        if isinstance(value, keras.optimizers.Optimizer):
+            assert config[argument] == keras.saving.serialize_keras_object(value)
+            assert config[argument]["config"] == value.get_config()
+            continue
+        assert config[argument] == value, argument
+        attribute = getattr(again, argument, None)
+        if argument != "learning_rate" and not callable(attribute):
+            assert attribute in (None, value), argument
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
@@ -290,23 +315,11 @@ def test_config_round_trip(name):
     _check_round_trip(ROWS[name].make(), {})
 
 
-@pytest.mark.parametrize("name", sorted(_configured()))
+@pytest.mark.parametrize("name", sorted(CONFIGURED))
 def test_config_holds_every_argument_set_away_from_its_default(name):
-    optimizer = _configured()[name]
-    arguments = {
-        argument: getattr(optimizer, argument, None)
-        for argument in ("inner_optimizer", "name")
-    }
-    arguments = {k: v for k, v in arguments.items() if v is not None}
-    _check_round_trip(optimizer, arguments)
-    config = optimizer.get_config()
-    defaults = {
-        p.name: p.default
-        for p in inspect.signature(type(optimizer).__init__).parameters.values()
-        if p.default is not inspect.Parameter.empty
-    }
-    changed = [k for k in config if k in defaults and config[k] != defaults[k]]
-    assert len(changed) >= 3, changed
+    cls, make_arguments = CONFIGURED[name]
+    arguments = make_arguments()
+    _check_round_trip(cls(**arguments), arguments)
 
 
 def _fitted(row, x, y):
@@ -468,7 +481,7 @@ def test_variables_are_written_through_the_optimizers_assign(name, sparse):
 SPARSE_INDICES = (0, 4, 0, 2)  # a tuple, with a duplicate
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", ["eager", "default"])
 @pytest.mark.parametrize("name", sorted(ROWS))
 def _sparse_gradient_rows_follow_the_numpy_reference(name, mode):
     import tensorflow as tf
@@ -487,8 +500,12 @@ def _sparse_gradient_rows_follow_the_numpy_reference(name, mode):
         summed = np.zeros_like(weight)
         np.add.at(summed, list(SPARSE_INDICES), value)
         dense.append([summed])
-    expected = _reference(row, [weight], dense, sparse=True)
+    reference = row.reference([weight], sparse=True)
+    for step_grads in dense:
+        expected = reference(step_grads)
     _assert_close([variable], expected, "float64", mode)
+    if isinstance(optimizer, tf_lars.LARS) and optimizer.momentum:
+        _assert_close(optimizer.momentums, reference.velocities, "float64", mode)
     untouched = [1, 3, 5]
     np.testing.assert_array_equal(_numpy(variable)[untouched], weight[untouched])
 

@@ -57,6 +57,7 @@ def _lars_reference(config):
                 )
             return [x.copy() for x in w]
 
+        step.velocities = v  # the momentum slots, for the sparse test
         return step
 
     return make
@@ -171,10 +172,17 @@ def _rows():
         rows[name] = UnderTest(_lars(config), _lars_reference(config), "lars")
     rows["lamb"] = UnderTest(
         lambda: tf_lars.LAMB(
-            learning_rate=LR, beta_1=0.8, beta_2=0.95, epsilon=1e-3, weight_decay=0.1
+            learning_rate=LR,
+            beta_1=0.8,
+            beta_2=0.95,
+            epsilon=1e-3,
+            weight_decay=0.1,
+            trust_clip=True,
         ),
         _ratio_reference(
-            lambda: lamb_ref.optax_adam_direction(0.8, 0.95, 1e-3), weight_decay=0.1
+            lambda: lamb_ref.optax_adam_direction(0.8, 0.95, 1e-3),
+            weight_decay=0.1,
+            trust_clip=True,
         ),
         "lamb",
     )
