@@ -1,7 +1,7 @@
 """What every tf_lars optimizer owes, on the current Keras backend.
 
 One parametrized suite over the table of optimizers under test
-(tests/optimizers_under_test.py): the NumPy reference through `apply` with
+(tests/optimizer_table.py): the NumPy reference through `apply` with
 and without compilation (TensorFlow: op by op, the optimizer's compiled
 eager apply, `tf.function`, `tf.function(jit_compile=True)`; JAX: `apply`,
 `stateless_apply`, `stateless_apply` under `jax.jit`; PyTorch: `apply`),
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import tf_lars
-from tests import optimizers_under_test as under_test
+from tests import optimizer_table as under_test
 from tf_lars.lars import ALL_1D
 
 BACKEND = keras.backend.backend()
