@@ -47,18 +47,20 @@ if BACKEND != "jax":
 FIT_JIT = [False] if BACKEND == "torch" else [False, True]
 TOLERANCE = {
     "float32": dict(rtol=2e-5, atol=2e-6),
-    "float64": dict(rtol=1e-10, atol=1e-10),
+    # float64: the rules hold a few constants (Keras's learning rate, some
+    # betas) in float32; the per-optimizer files hold their float64 rows tighter.
+    "float64": dict(rtol=1e-8, atol=1e-8),
     # One rounding per step of an 8- or 11-bit significand, values of order 1.
     "float16": dict(rtol=8e-3, atol=8e-3),
     "bfloat16": dict(rtol=6e-2, atol=6e-2),
 }
 
 
-def _problem(dtype, seed=0, shapes=SHAPES, steps=STEPS):
+def _problem(dtype, seed=0, shapes=SHAPES, steps=STEPS, scale=0.1):
     rng = np.random.default_rng(seed)
     weights = [rng.normal(size=s).astype(dtype) for s in shapes]
     grads = [
-        [rng.normal(scale=0.1, size=s).astype(dtype) for s in shapes]
+        [rng.normal(scale=scale, size=s).astype(dtype) for s in shapes]
         for _ in range(steps)
     ]
     return weights, grads
@@ -149,7 +151,9 @@ def test_apply_follows_the_numpy_reference(name, dtype, mode):
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_half_precision_variables_follow_the_reference(name, dtype):
     row = ROWS[name]
-    weights, grads = _problem("float32", seed=5, steps=1)
+    # Gradients of order 1: Adam's second moment of a 0.1 gradient is near
+    # float16's smallest normal number.
+    weights, grads = _problem("float32", seed=5, steps=1, scale=1.0)
     # The reference starts from the half-precision values the variables hold.
     held = [
         keras.ops.convert_to_numpy(keras.ops.cast(_tensor(w, dtype), "float32"))
