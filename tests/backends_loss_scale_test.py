@@ -163,7 +163,17 @@ def test_fit_applies_finite_batches_and_skips_a_non_finite_one(jit_compile):
     x = rng.normal(size=(12, 3)).astype("float32")
     y = rng.normal(size=(12, 2)).astype("float32")
     x[9, 1] = np.inf  # the third batch of four: a non-finite loss
-    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tf_lars.callbacks.LossScaleMonitor()],
+    )
+    assert history.history["loss_scale"] == [2.0**9]
+    assert history.history["skipped_steps"] == [1]
     # NumPy: momentum SGD on the mean squared error over the first two
     # batches; the third is skipped.
     velocity = [np.zeros_like(kernel), np.zeros_like(bias)]
@@ -180,3 +190,46 @@ def test_fit_applies_finite_batches_and_skips_a_non_finite_one(jit_compile):
     assert int(numpy_of(optimizer.iterations)) == 2
     assert int(numpy_of(optimizer.skipped_steps)) == 1
     assert float(numpy_of(optimizer.loss_scale)) == 2.0**9
+
+
+def _dense_model():
+    kernel = np.array([[0.5, -0.25], [0.125, 1.0], [-1.0, 0.75]], "float32")
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(
+                2,
+                kernel_initializer=keras.initializers.Constant(kernel),
+                bias_initializer=keras.initializers.Constant([0.1, -0.2]),
+            ),
+        ]
+    )
+
+
+@pytest.mark.parametrize("jit_compile", JIT_MODES[BACKEND])
+def test_wrapped_lars_takes_lars_steps_and_skips_a_non_finite_batch(jit_compile):
+    # Around LARS (weight decay on, so the trust ratio is not scale-free):
+    # the finite batches give exactly plain LARS's weights and slots, the
+    # non-finite one is skipped.
+    def lars():
+        return tf_lars.LARS(0.5, momentum=0.9, weight_decay=0.01)
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, 3)).astype("float32")
+    y = rng.normal(size=(12, 2)).astype("float32")
+    plain = _dense_model()
+    plain.compile(optimizer=lars(), loss="mse", jit_compile=jit_compile)
+    plain.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
+    x[10, 0] = np.nan
+    wrapped = _dense_model()
+    optimizer = tf_lars.LossScaleOptimizer(lars(), initial_scale=2.0**12)
+    wrapped.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    wrapped.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    for got, want in zip(wrapped.weights, plain.weights, strict=True):
+        np.testing.assert_allclose(numpy_of(got), numpy_of(want), rtol=1e-6, atol=1e-7)
+    inner = optimizer.inner_optimizer.variables
+    for got, want in zip(inner, plain.optimizer.variables, strict=True):
+        np.testing.assert_allclose(numpy_of(got), numpy_of(want), rtol=1e-6, atol=1e-7)
+    assert int(numpy_of(optimizer.iterations)) == 2
+    assert int(numpy_of(optimizer.skipped_steps)) == 1
+    assert float(numpy_of(optimizer.loss_scale)) == 2.0**11

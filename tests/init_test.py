@@ -190,3 +190,35 @@ def test_version_is_the_newest_changelog_entry():
     assert newest is not None
     assert newest.group(1) == tf_lars.__version__
     assert tf_lars.__version__ != "0.1.0"
+
+
+def test_distribute_names_the_configured_backend_without_importing_keras(tmp_path):
+    # The backend comes from Keras's own settings (here `keras.json` in
+    # KERAS_HOME), read without importing Keras, so that the launcher stays
+    # light on TensorFlow and fails at once elsewhere.
+    (tmp_path / "keras.json").write_text('{"backend": "jax"}')
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env.update(PYTHONPATH=str(ROOT), KERAS_HOME=str(tmp_path))
+    code = (
+        "import sys\n"
+        "try:\n"
+        "    import tf_lars.distribute\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+        "loaded = {m.split('.')[0] for m in sys.modules}\n"
+        "print(sorted(loaded & {'keras', 'tensorflow'}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "tf_lars.distribute needs TensorFlow: it runs only on Keras's TensorFlow "
+        "backend, and Keras is set to the 'jax' backend. Set "
+        "KERAS_BACKEND=tensorflow to use it.",
+        "[]",
+    ]

@@ -67,7 +67,7 @@ The accesses:
    `tf_lars.distribute.enable_multi_worker_fit`, which users call explicitly.
 8. `in_xla_context()` (`tf.__internal__.get_enclosing_xla_context`): whether
    the step being traced will be compiled by XLA. The norms of
-   `tf_lars._lars_fast.squared_norm` take the form that is fastest there:
+   `tf_lars._tf_fast.squared_norm` take the form that is fastest there:
    folded into a matrix-vector product under XLA (a full reduction is a
    serial loop), one `MatMul` of the flat tensor with itself otherwise
    (half the time of `reduce_sum(square(x))`, no temporary). TensorFlow
@@ -578,6 +578,23 @@ def overwrites_with_gradient(optimizer, variable):
     if check is None:
         return getattr(variable, "overwrite_with_gradient", False)
     return check(variable)
+
+
+def per_variable_update_step(optimizer):
+    """`optimizer._backend_update_step`, or the one that steps variable by variable.
+
+    The torch backend swaps in its own subclasses of nine Keras optimizers
+    (`keras.src.backend.torch.optimizers`) whose `_backend_update_step` steps
+    every variable at once with `torch._foreach_*`, never calling
+    `update_step`; their Keras parent's (Nadam's included) takes the same
+    step one variable at a time through `update_step` (TrustRatio needs that).
+    """
+    for klass in type(optimizer).__mro__:
+        if "_backend_update_step" in vars(klass) and not klass.__module__.startswith(
+            "keras.src.backend.torch."
+        ):
+            return functools.partial(klass._backend_update_step, optimizer)
+    return optimizer._backend_update_step
 
 
 #: Keras hook methods tf_lars's optimizers override, with the parameters they

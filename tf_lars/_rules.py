@@ -115,7 +115,7 @@ def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov)
         momentum: float, `mu`.
         nesterov: bool.
     """
-    mu = ops.cast(momentum, variable.dtype)
+    mu = ops.convert_to_tensor(momentum, variable.dtype)
     velocity = mu * ops.convert_to_tensor(slot) + gradient
     optimizer.assign(slot, velocity)
     if nesterov:

@@ -60,8 +60,8 @@ class LambAdam(keras.optimizers.Adam):
         m, v = _internals.adam_slots(self, _internals.variable_index(self, variable))
         # `1 - beta` is rounded once from the Python float: bfloat16 holds
         # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
-        one_minus_1 = ops.cast(1 - self.beta_1, dtype)
-        one_minus_2 = ops.cast(1 - self.beta_2, dtype)
+        one_minus_1 = ops.convert_to_tensor(1 - self.beta_1, dtype)
+        one_minus_2 = ops.convert_to_tensor(1 - self.beta_2, dtype)
         if _kernels.is_sparse(gradient):
             _kernels.sparse_adam_moments(self, gradient, m, v, one_minus_1, one_minus_2)
         else:
@@ -75,12 +75,14 @@ class LambAdam(keras.optimizers.Adam):
         """`sqrt(1 - b2**t)` in float32 (float64 for float64 variables)."""
         scalar = _rules.compute_dtype(dtype)
         step = ops.cast(self.iterations + 1, scalar)
-        return ops.sqrt(1 - ops.power(ops.cast(self.beta_2, scalar), step))
+        return ops.sqrt(1 - ops.power(ops.convert_to_tensor(self.beta_2, scalar), step))
 
     def bias_corrected_epsilon(self, dtype):
         """`eps * sqrt(1 - b2**t)`, the epsilon of `direction`, in `dtype`."""
         scalar = _rules.compute_dtype(dtype)
-        return ops.cast(ops.cast(self.epsilon, scalar) * self._root_2(dtype), dtype)
+        return ops.cast(
+            ops.convert_to_tensor(self.epsilon, scalar) * self._root_2(dtype), dtype
+        )
 
     def direction_scale(self, dtype, learning_rate):
         """`lr * sqrt(1 - b2**t) / (1 - b1**t)`: the step is this times `direction`.
@@ -90,7 +92,7 @@ class LambAdam(keras.optimizers.Adam):
         """
         scalar = _rules.compute_dtype(dtype)
         step = ops.cast(self.iterations + 1, scalar)
-        correction_1 = 1 - ops.power(ops.cast(self.beta_1, scalar), step)
+        correction_1 = 1 - ops.power(ops.convert_to_tensor(self.beta_1, scalar), step)
         scale = ops.cast(learning_rate, scalar) / correction_1 * self._root_2(dtype)
         return ops.cast(scale, dtype)
 
@@ -241,7 +243,7 @@ class LAMB(TrustRatio):
         """
         if _kernels.is_sparse(gradient):
             # Step 5: Adam's own sparse update, no ratio, no weight decay.
-            self.inner_optimizer.update_step(gradient, variable, learning_rate)
+            self._inner_update_step(gradient, variable, learning_rate)
             return
         index = _internals.variable_index(self, variable)
         decay = self._variable_weight_decay[index]

@@ -217,7 +217,7 @@ class LARS(LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
             if self.trust_ratio == "decayed" and self.decay_in_gradient:
                 # |g'| with g' = g + wd w (step 1).
                 grads_in_norm = [
-                    g + ops.cast(decay, dtype) * w if decay != 0.0 else g
+                    g + ops.convert_to_tensor(decay, dtype) * w if decay != 0.0 else g
                     for g, w, decay in zip(grads_in_norm, weights, decays, strict=True)
                 ]
             both = self._norms(weights + grads_in_norm)
@@ -254,7 +254,7 @@ class LARS(LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
         gradient = ops.cast(gradient, dtype)
         decay = self._variable_weight_decay[index]
         if self.decay_in_gradient and decay != 0.0:
-            gradient = gradient + ops.cast(decay, dtype) * variable
+            gradient = gradient + ops.convert_to_tensor(decay, dtype) * variable
         # Step 3: the local rate.
         learning_rate = ops.cast(learning_rate, ratio.dtype)
         if self.trust_clip and self._variable_adapted[index]:

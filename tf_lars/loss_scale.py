@@ -137,6 +137,11 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
     scale is kept within the float32 normal range: it stops doubling at the
     largest float32 and stops halving at the smallest normal float32.
 
+    It runs on every Keras backend: on JAX and PyTorch through `model.fit`,
+    `stateless_apply` (what the JAX trainer calls) and `apply`, the skip
+    decision kept on the device. `stateless_apply` is refused on
+    TensorFlow, whose optimizers write their variables directly.
+
     Because the gradients are unscaled before the inner optimizer sees them,
     gradient-dependent rules such as LARS's trust ratio (not scale-invariant
     when weight decay is on) see the true gradient.

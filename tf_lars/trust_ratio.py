@@ -6,7 +6,6 @@ around Adam.
 """
 
 import contextlib
-import functools
 
 import keras
 from keras import ops
@@ -143,23 +142,6 @@ def _step_of(writes, variable):
         else:  # a full assign: w_new = value
             step = ops.convert_to_tensor(variable) - value
     return step
-
-
-def _per_variable_update(inner):
-    """`inner._backend_update_step`, or where it steps variable by variable.
-
-    The torch backend swaps in its own subclasses of nine Keras optimizers
-    (SGD, Adam, ...) whose step updates every variable at once with
-    `torch._foreach_*` and never calls `update_step`; their Keras parent's
-    `_backend_update_step` (Nadam's included) takes the same step one
-    variable at a time through `update_step`.
-    """
-    for klass in type(inner).__mro__:
-        if "_backend_update_step" in vars(klass) and not klass.__module__.startswith(
-            "keras.src.backend.torch."
-        ):
-            return functools.partial(klass._backend_update_step, inner)
-    return inner._backend_update_step
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -326,7 +308,9 @@ class TrustRatio(
         inner = self.inner_optimizer
         inner.__dict__["update_step"] = self.update_step
         try:
-            _per_variable_update(inner)(grads, trainable_variables, learning_rate)
+            _internals.per_variable_update_step(inner)(
+                grads, trainable_variables, learning_rate
+            )
         finally:
             inner.__dict__.pop("update_step", None)
         # The inner optimizer's own step count (Adam's bias correction).
@@ -378,7 +362,11 @@ class TrustRatio(
         """`lr * wd / scale` (0 where scale is 0: then nothing moves anyway)."""
         dtype = scale.dtype
         divisor = ops.where(ops.equal(scale, 0), ops.ones_like(scale), scale)
-        return ops.cast(learning_rate, dtype) * ops.cast(decay, dtype) / divisor
+        return (
+            ops.cast(learning_rate, dtype)
+            * ops.convert_to_tensor(decay, dtype)
+            / divisor
+        )
 
     def _with_decay(self, direction, scale, variable, learning_rate, decay):
         """Step 2: u = d + wd * w, kept as lr * u = scale * (direction +

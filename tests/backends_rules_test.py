@@ -1,0 +1,449 @@
+"""LARS, TrustRatio and LAMB on whichever Keras backend runs the tests.
+
+Run under any `KERAS_BACKEND` (tensorflow, jax, torch): every check uses
+`keras.ops` and the NumPy references (tests/lars_reference.py,
+tests/lamb_reference.py), never a backend's own API, except the JAX-only
+`stateless_apply` under `jax.jit` and the TensorFlow-only comparison of each
+fast kernel (tf_lars/_tf_fast.py) with the portable rule (tf_lars/_rules.py).
+Modes: an eager `apply`; `stateless_apply` under `jax.jit` (JAX);
+`model.fit` with `jit_compile=True` (TensorFlow, JAX) and `False`.
+"""
+
+import contextlib
+import functools
+import inspect
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import tf_lars
+from tests import lamb_reference as ref
+from tests import lars_reference as lars_ref
+from tf_lars import _rules
+
+BACKEND = keras.backend.backend()
+STEPS = 3
+
+# ------------------------------------------------------------- references
+
+
+class LarsReference:
+    """`lars_reference.dense_step` over the kernel and the bias, step by step."""
+
+    def __init__(self, lr, options, decayed, adapted):
+        self.lr, self.options = lr, options
+        self.decayed, self.adapted = decayed, adapted
+        self.slots = None
+
+    def __call__(self, weights, grads):
+        if self.slots is None:
+            self.slots = [np.zeros_like(w, np.float64) for w in weights]
+        new, ratios = [], []
+        for i, (w, g) in enumerate(zip(weights, grads, strict=True)):
+            w, self.slots[i], ratio = lars_ref.dense_step(
+                w,
+                g,
+                self.slots[i],
+                self.lr,
+                decayed=self.decayed[i],
+                adapted=self.adapted[i],
+                **self.options,
+            )
+            new.append(w)
+            ratios.append(ratio)
+        return new, ratios
+
+
+class WrappedReference:
+    """`lamb_reference.wrapped_run`, one step per call, state kept across calls."""
+
+    def __init__(self, lr, direction, **options):
+        self.lr, self.direction, self.options = lr, direction, options
+        self.state, self.t = {}, 0
+
+    def __call__(self, weights, grads):
+        self.t += 1
+        direction = lambda _state, i, g, _t: self.direction(self.state, i, g, self.t)  # noqa: E731
+        return ref.wrapped_run(weights, [grads], self.lr, direction, **self.options)
+
+
+def lamb_direction(beta_1=0.9, beta_2=0.999, epsilon=1e-6):
+    """LAMB's Adam: epsilon after the bias correction (docs/algorithms.md)."""
+
+    def direction(state, i, g, t):
+        m, v = ref.adam_moments(state, i, g, beta_1, beta_2)
+        return (m / (1 - beta_1**t)) / (np.sqrt(v / (1 - beta_2**t)) + epsilon)
+
+    return direction
+
+
+# Kernel (4, 3) and bias (3,): the bias is excluded from weight decay and
+# adaptation by the "<1d>" entry where a case excludes.
+EXCLUDE = {"exclude_from_weight_decay": [tf_lars.lars.ALL_1D]}
+LARS_CASES = {
+    "paper": {"weight_decay": 0.01},
+    "decayed": {"weight_decay": 0.01, "trust_ratio": "decayed", "epsilon": 1e-6},
+    "clip": {"weight_decay": 0.01, "trust_clip": True, "trust_coefficient": 0.5},
+    "contrib": {"classic_momentum": False, "decay_in_gradient": False},
+    "nesterov": {"weight_decay": 0.01, "nesterov": True},
+    "contrib_nesterov": {"classic_momentum": False, "nesterov": True},
+}
+CASES = [f"lars_{name}" for name in LARS_CASES] + ["trust_sgd", "trust_adam", "lamb"]
+
+
+def make_case(case):
+    """`(optimizer, reference)` for one case, both fresh."""
+    decayed, adapted = [True, False], [True, False]
+    if case.startswith("lars_"):
+        options = {"momentum": 0.9, "trust_coefficient": 0.02}
+        options.update(LARS_CASES[case.removeprefix("lars_")])
+        lr = 0.5
+        optimizer = tf_lars.LARS(learning_rate=lr, **options, **EXCLUDE)
+        return optimizer, LarsReference(lr, options, decayed, adapted)
+    if case == "lamb":
+        # No exclusions: the reference is also checked against optax's LAMB.
+        optimizer = tf_lars.LAMB(learning_rate=0.01, weight_decay=0.01)
+        return optimizer, WrappedReference(0.01, lamb_direction(), weight_decay=0.01)
+    lr = 0.1
+    if case == "trust_sgd":
+        inner = keras.optimizers.SGD(lr, momentum=0.9)
+        direction = ref.keras_sgd_direction(lr, 0.9)
+    else:
+        inner = keras.optimizers.Adam(lr, epsilon=1e-3)
+        direction = ref.keras_adam_direction(epsilon=1e-3)
+    optimizer = tf_lars.TrustRatio(inner, weight_decay=0.01, **EXCLUDE)
+    reference = WrappedReference(
+        lr, direction, weight_decay=0.01, decayed=decayed, adapted=adapted
+    )
+    return optimizer, reference
+
+
+# ------------------------------------------------------------------ drivers
+
+RNG = np.random.default_rng(7)
+X = RNG.normal(size=(8, 4)).astype("float32")
+Y = RNG.normal(size=(8, 3)).astype("float32")
+START = [
+    RNG.normal(size=(4, 3)).astype("float32"),
+    RNG.normal(size=3).astype("float32") * 0.1,
+]
+GRADS = [[RNG.normal(size=w.shape).astype("float32") for w in START] for _ in range(3)]
+
+
+def mse_gradients(weights):
+    """d/dW, d/db of Keras's "mse" (mean over outputs and batch) of X W + b."""
+    kernel, bias = weights
+    residual = 2.0 * (X @ kernel + bias - Y) / Y.size
+    return [X.T.astype(np.float64) @ residual, residual.sum(axis=0)]
+
+
+def run_apply(optimizer, grads):
+    variables = [keras.Variable(w) for w in START]
+    for step_grads in grads:
+        optimizer.apply([ops.convert_to_tensor(g) for g in step_grads], variables)
+    return [ops.convert_to_numpy(v) for v in variables], optimizer.trust_ratios
+
+
+def run_stateless_jit(optimizer, grads):
+    import jax
+
+    variables = [keras.Variable(w) for w in START]
+    optimizer.build(variables)
+    trainable = [v.value for v in variables]
+    state = [v.value for v in optimizer.variables]
+    step = jax.jit(optimizer.stateless_apply)
+    for step_grads in grads:
+        trainable, state = step(
+            state, [ops.convert_to_tensor(g) for g in step_grads], trainable
+        )
+    position = [id(v) for v in optimizer.variables].index(id(optimizer.trust_ratios))
+    return [np.asarray(t) for t in trainable], state[position]
+
+
+def run_fit(optimizer, jit_compile):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.set_weights(START)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    model.fit(X, Y, batch_size=len(X), epochs=STEPS, shuffle=False, verbose=0)
+    return model.get_weights(), optimizer.trust_ratios
+
+
+MODES = ["apply", "fit_no_jit"]
+if BACKEND == "jax":
+    MODES += ["stateless_jit"]
+if BACKEND in ("jax", "tensorflow"):
+    MODES += ["fit_jit"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES)
+def test_every_mode_gives_the_reference_numbers(case, mode):
+    optimizer, reference = make_case(case)
+    weights = [w.astype(np.float64) for w in START]
+    ratios = None
+    for step in range(STEPS):
+        grads = GRADS[step] if mode in ("apply", "stateless_jit") else None
+        weights, ratios = reference(weights, grads or mse_gradients(weights))
+    if mode == "apply":
+        got, got_ratios = run_apply(optimizer, GRADS)
+    elif mode == "stateless_jit":
+        got, got_ratios = run_stateless_jit(optimizer, GRADS)
+    else:
+        got, got_ratios = run_fit(optimizer, jit_compile=mode == "fit_jit")
+    for value, want in zip(got, weights, strict=True):
+        np.testing.assert_allclose(value, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(ops.convert_to_numpy(got_ratios), ratios, rtol=2e-5)
+
+
+def test_lamb_reference_is_optax_lamb():
+    # The step-by-step LAMB reference above equals the independent
+    # transcription of optax.lamb, so the mode test checks LAMB against it.
+    want = ref.optax_lamb(START, GRADS, 0.01, weight_decay=0.01)
+    reference = WrappedReference(0.01, lamb_direction(), weight_decay=0.01)
+    weights = [w.astype(np.float64) for w in START]
+    for grads in GRADS:
+        weights, _ = reference(weights, grads)
+    for value, expected in zip(weights, want, strict=True):
+        np.testing.assert_allclose(value, expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize("scale", lars_ref.MAGNITUDES)
+@pytest.mark.parametrize("which", ["lars", "lamb"])
+def test_norms_keep_their_range(which, scale):
+    # Entries of 1e19 and up overflow float32 squares, 1e-30 underflow them.
+    weights = lars_ref.extreme_values(scale)
+    grads = lars_ref.extreme_values(1.0, seed=1)
+    want_norms = [np.linalg.norm(w.astype(np.float64)) for w in weights + grads]
+    got = _rules.norms([ops.convert_to_tensor(x) for x in weights + grads])
+    np.testing.assert_allclose(ops.convert_to_numpy(got), want_norms, rtol=1e-5)
+    if which == "lars":
+        optimizer = tf_lars.LARS(0.1, momentum=0.0, weight_decay=0.01)
+        want = []
+        for w, g in zip(weights, grads, strict=True):
+            w, _, _ = lars_ref.dense_step(
+                w, g, 0.0, 0.1, momentum=0.0, weight_decay=0.01
+            )
+            want.append(w)
+    else:
+        optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
+        want = ref.optax_lamb(weights, [grads], 0.1, weight_decay=0.01)
+    variables = [keras.Variable(w) for w in weights]
+    optimizer.apply([ops.convert_to_tensor(g) for g in grads], variables)
+    for variable, expected in zip(variables, want, strict=True):
+        value = ops.convert_to_numpy(variable)
+        assert np.all(np.isfinite(value))
+        np.testing.assert_allclose(value, expected, rtol=2e-5)
+
+
+def test_one_trust_ratio_rule():
+    # T = eta |w| / (|u| + eps); 1 where |w| or |u| is 0, or where the
+    # caller says the ratio is undefined.
+    weight = ops.convert_to_tensor([3.0, 0.0, 2.0, 2.0])
+    update = ops.convert_to_tensor([4.0, 1.0, 0.0, 1.0])
+    got = _rules.trust_ratio(weight, update, 0.5, 1.0)
+    np.testing.assert_allclose(ops.convert_to_numpy(got), [0.3, 1.0, 1.0, 0.5])
+    defined = ops.convert_to_tensor([True, True, True, False])
+    got = _rules.trust_ratio(weight, update, 0.5, 1.0, defined)
+    np.testing.assert_allclose(ops.convert_to_numpy(got), [0.3, 0.0, 1.0, 1.0])
+
+
+# ------------------------------------------- TrustRatio around every optimizer
+
+
+def _keras_optimizer_classes():
+    base = keras.optimizers.Optimizer
+    return [
+        obj
+        for name in sorted(dir(keras.optimizers))
+        if inspect.isclass(obj := getattr(keras.optimizers, name))
+        and issubclass(obj, base)
+        and obj not in (base, keras.optimizers.LossScaleOptimizer)
+        and name != "MultiOptimizer"  # refused: tests/trust_ratio_test.py
+    ]
+
+
+def _make_keras_optimizer(cls):
+    parameters = inspect.signature(cls.__init__).parameters
+    arguments = {"learning_rate": 0.1}
+    arguments.update({p: 0.0 for p in parameters if "weight_decay" in p})
+    return cls(**arguments)
+
+
+def _reference_dtype(cls):
+    variable = keras.Variable(np.ones((2, 2)), dtype="float64")
+    try:
+        _make_keras_optimizer(cls).apply([ops.ones((2, 2), "float64")], [variable])
+    except Exception:  # each backend refuses float64 in its own way
+        return "float32"
+    return "float64"
+
+
+def _float64_enabled():
+    """JAX keeps float64 only with x64 on (else it is float32 silently)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("cls", _keras_optimizer_classes(), ids=lambda c: c.__name__)
+def test_trust_ratio_around_every_keras_optimizer(cls):
+    with _float64_enabled():
+        _check_trust_ratio_around(cls)
+
+
+def _check_trust_ratio_around(cls):
+    # As tests/trust_ratio_test.py on TensorFlow: each step w <- w - T s,
+    # s the inner optimizer's own step on a copy, T = |w| / (|s| / lr). On
+    # torch, Keras swaps in its own subclasses (SGD, Adam, ...) that step
+    # every variable at once: the wrapper must still see their step.
+    rng = np.random.default_rng(3)
+    start = rng.normal(size=(4, 3)).astype("float32")
+    dtype = _reference_dtype(cls)
+    # 2e-5: the float32 rounding of the wrapper's step (torch's float32 Adam
+    # rounds a little more than TensorFlow's).
+    ratio_rtol = 2e-5 if dtype == "float64" else 1e-4
+    weight = keras.Variable(start)
+    shadow = keras.Variable(start.astype(dtype), dtype=dtype)
+    optimizer = tf_lars.TrustRatio(_make_keras_optimizer(cls))
+    reference = _make_keras_optimizer(cls)
+    for _ in range(4):
+        gradient = rng.normal(size=(4, 3)).astype("float32")
+        before = ops.convert_to_numpy(shadow)
+        reference.apply([ops.convert_to_tensor(gradient, dtype)], [shadow])
+        step = (before - ops.convert_to_numpy(shadow)).astype("float64")
+        ratio = np.linalg.norm(before) / (np.linalg.norm(step) / 0.1)
+        want = before - ratio * step
+        shadow.assign(want.astype(dtype))
+        optimizer.apply([ops.convert_to_tensor(gradient)], [weight])
+        value = ops.convert_to_numpy(weight)
+        assert np.all(np.isfinite(value))
+        np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            ops.convert_to_numpy(optimizer.trust_ratios)[0], ratio, rtol=ratio_rtol
+        )
+
+
+# ------------------------------- TensorFlow: each fast kernel = portable rule
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    from tf_lars import _tf_fast
+
+    # (3, 3, 64, 64) folds under XLA and is one MatMul without; (5, 7) is
+    # below the size where a plain reduction is used.
+    KERNEL_SHAPES = [(3, 3, 64, 64), (5, 7), (4096 + 3,)]
+    TRACERS = {
+        "eager": lambda f: f,
+        "graph": tf.function,
+        "xla": lambda f: tf.function(f, jit_compile=True),
+    }
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+    def test_tf_norms_equal_the_portable_norms(scale, tracer):
+        rng = np.random.default_rng(5)
+        tensors = [
+            tf.constant(rng.uniform(-1, 1, size=s).astype("float32") * scale / 100)
+            for s in KERNEL_SHAPES
+        ] + [tf.zeros((3,))]
+        fast = TRACERS[tracer](_tf_fast.norms)(tensors)
+        portable = TRACERS[tracer](_rules.norms)(tensors)
+        want = [np.linalg.norm(t.numpy().astype(np.float64)) for t in tensors]
+        np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
+        np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
+
+    def _slot_pair():
+        """Two (variable, slot) pairs holding the same values, and an optimizer."""
+        rng = np.random.default_rng(6)
+        start = rng.normal(size=(8, 5)).astype("float32")
+        slot = rng.normal(size=(8, 5)).astype("float32")
+        optimizer = tf_lars.LARS()
+        variables = [keras.Variable(start) for _ in range(2)]
+        slots = [keras.Variable(slot) for _ in range(2)]
+        gradient = tf.constant(rng.normal(size=(8, 5)).astype("float32"))
+        return optimizer, variables, slots, gradient
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    @pytest.mark.parametrize("nesterov", [False, True])
+    def test_tf_momentum_step_equals_the_portable_step(nesterov, tracer):
+        optimizer, variables, slots, gradient = _slot_pair()
+        rate = tf.constant(0.3)
+        for module, variable, slot in zip(
+            (_tf_fast, _rules), variables, slots, strict=True
+        ):
+            step = functools.partial(
+                module.momentum_step,
+                optimizer,
+                variable,
+                slot,
+                gradient,
+                rate,
+                0.9,
+                nesterov,
+            )
+            TRACERS[tracer](step)()
+        np.testing.assert_allclose(slots[0].numpy(), slots[1].numpy(), rtol=1e-6)
+        np.testing.assert_allclose(
+            variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+        )
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    def test_tf_scaled_step_equals_the_portable_step(tracer):
+        optimizer, variables, _, step = _slot_pair()
+        for module, variable in zip((_tf_fast, _rules), variables, strict=True):
+            write = functools.partial(
+                module.scaled_step, optimizer, variable, tf.constant(0.7), step
+            )
+            TRACERS[tracer](write)()
+        np.testing.assert_allclose(
+            variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+        )
+
+    def _lamb_steps(direction_of, start, gradients, decay):
+        """Two LAMB directions (times their scale) and Adam's slots after."""
+        optimizer = tf_lars.LAMB(learning_rate=0.01)
+        variable = keras.Variable(start)
+        optimizer.build([variable])
+
+        @tf.function
+        def step(gradient):
+            scale, direction = direction_of(
+                optimizer, gradient, variable.value, tf.constant(0.01), decay
+            )
+            optimizer.inner_optimizer.iterations.assign_add(1)
+            return scale * direction
+
+        steps = [step(gradient).numpy() for gradient in gradients]
+        return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
+
+    @pytest.mark.parametrize("decay", [0.0, 0.01])
+    def test_tf_fused_lamb_direction_equals_the_portable_direction(decay):
+        # Graph without XLA, where LAMB takes the fused kernel.
+        from tf_lars import lamb as lamb_module
+
+        rng = np.random.default_rng(8)
+        start = rng.normal(size=(6, 4)).astype("float32")
+        gradients = [
+            tf.constant(rng.normal(size=(6, 4)).astype("float32")) for _ in range(2)
+        ]
+        fast = _lamb_steps(_tf_fast.lamb_direction, start, gradients, decay)
+        portable = _lamb_steps(lamb_module.lamb_direction, start, gradients, decay)
+        assert len(fast) == 4  # two steps, m and v
+        # 2e-5: the kernel rounds `1 - beta_2` from float32 0.999 (1.3e-5 off
+        # 0.001), the portable rule from the Python float.
+        for a, b in zip(fast, portable, strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9)
+
+    def test_tf_compiled_apply_equals_the_portable_apply():
+        got = []
+        for jit_compile in (True, False):
+            optimizer, _ = make_case("lars_nesterov")
+            optimizer.jit_compile = jit_compile
+            got.append(run_apply(optimizer, GRADS)[0])
+        for a, b in zip(*got, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
