@@ -25,6 +25,7 @@ nox.options.sessions = ["oldest", "newest"]
 #: (written by Keras 3.15), and its checkpoint test holds stored numbers
 #: bit-exact (TF 2.16 differs by 1 ulp in 1 of 30).
 MATRIX_TESTS = [
+    "tests/contract_test.py",
     "tests/lars_test.py",
     "tests/lamb_test.py",
     "tests/trust_ratio_test.py",
@@ -127,11 +128,14 @@ def nightly(session):
 
 #: The tests a backend session runs: what every optimizer owes
 #: (tests/contract_test.py), saved files across backends and, on JAX,
-#: keras.distribution; `import tf_lars` without TensorFlow.
+#: keras.distribution, the rules and the loss scale on the backend, and
+#: `import tf_lars` without TensorFlow.
 BACKEND_TESTS = [
     "tests/contract_test.py",
     "tests/backends_test.py",
+    "tests/backends_rules_test.py",
     "tests/backends_loss_scale_test.py",
+    "tests/backends_imports_test.py",
     "tests/init_test.py",
 ]
 
