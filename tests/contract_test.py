@@ -426,9 +426,14 @@ def _record_writes(optimizer, variable):
 
         return write
 
+    # The model's and the optimizer's variables; not scratch buffers (LAMB's
+    # fused TensorFlow path keeps an unsaved one per shape).
+    owned = [variable, *optimizer.variables]
+    owned = {id(v) for v in owned} | {id(getattr(v, "value", v)) for v in owned}
+
     def refuse(name, original):
         def check(self, *args, **kwargs):
-            if len(self.shape) and not depth[0]:
+            if len(self.shape) and not depth[0] and id(self) in owned:
                 direct.append(name)
             return original(self, *args, **kwargs)
 
