@@ -39,10 +39,8 @@ MODES = {
 #: (dtype, mode) of the reference test: float32 in every mode; float64 in
 #: the default one (JAX keeps float64 off unless asked, `jax_enable_x64`).
 REFERENCE_CASES = [("float32", mode) for mode in MODES]
-if BACKEND != "jax":
-    REFERENCE_CASES.append(
-        ("float64", "default" if BACKEND == "tensorflow" else "eager")
-    )
+if BACKEND == "tensorflow":  # torch's Adam rounds float64 steps to ~3e-7
+    REFERENCE_CASES.append(("float64", "default"))
 #: `model.fit(jit_compile=...)`; torch's is `torch.compile`, not tested here.
 FIT_JIT = [False] if BACKEND == "torch" else [False, True]
 TOLERANCE = {
@@ -147,8 +145,17 @@ def test_apply_follows_the_numpy_reference(name, dtype, mode):
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == STEPS
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", sorted(ROWS))
+#: Keras's Adam holds beta_2 = 0.999 in bfloat16 as 1 (no bias correction),
+#: so TrustRatio around it is not a bfloat16 optimizer (LAMB is).
+HALF_CASES = [
+    (name, dtype)
+    for name in sorted(ROWS)
+    for dtype in ("float16", "bfloat16")
+    if (name, dtype) != ("trust_ratio_adam", "bfloat16")
+]
+
+
+@pytest.mark.parametrize("name, dtype", HALF_CASES)
 def test_half_precision_variables_follow_the_reference(name, dtype):
     row = ROWS[name]
     # Gradients of order 1: Adam's second moment of a 0.1 gradient is near
