@@ -7,6 +7,7 @@ the install kept the pinned TensorFlow and Keras, and runs the tests.
     nox -s oldest                   # TF 2.16 + Keras 3.8 (numpy<2)
     nox -s newest                   # TF 2.21 + Keras 3.15
     nox -s nightly                  # tf-nightly + keras-nightly (not a CI gate)
+    nox -s jax torch                # the optimizers on the JAX and PyTorch backends
     nox -s oldest -- tests/lars_test.py -x   # other pytest arguments
 
 Without arguments a session runs the optimizer, serialization and
@@ -24,6 +25,7 @@ nox.options.sessions = ["oldest", "newest"]
 #: (written by Keras 3.15), and its checkpoint test holds stored numbers
 #: bit-exact (TF 2.16 differs by 1 ulp in 1 of 30).
 MATRIX_TESTS = [
+    "tests/contract_test.py",
     "tests/lars_test.py",
     "tests/lamb_test.py",
     "tests/trust_ratio_test.py",
@@ -114,3 +116,48 @@ def nightly(session):
         "print('tensorflow', tf.__version__, 'keras', keras.__version__)",
     )
     _run_tests(session)
+
+
+# --------------------------------------------------------------------------
+# Keras backends: the optimizers on JAX and PyTorch (CPU builds), newest
+# TensorFlow and Keras beside them. `KERAS_BACKEND` picks the backend of each
+# pytest process; the TensorFlow backend is the matrix sessions above.
+#
+#     nox -s jax torch
+#     nox -s jax -- tests/contract_test.py -k lamb
+# --------------------------------------------------------------------------
+
+#: The tests a backend session runs: what every optimizer owes
+#: (tests/contract_test.py), saved files across backends and, on JAX,
+#: keras.distribution, the rules and the loss scale on the backend, and
+#: `import tf_lars` without TensorFlow.
+BACKEND_TESTS = [
+    "tests/contract_test.py",
+    "tests/backends_test.py",
+    "tests/backends_rules_test.py",
+    "tests/backends_loss_scale_test.py",
+    "tests/backends_imports_test.py",
+    "tests/init_test.py",
+]
+
+#: backend -> what it installs beside the newest pair. `torch==2.13.0`
+#: exactly: a plain `torch` pulls a multi-GB CUDA build.
+BACKENDS = {
+    "jax": ["jax[cpu]"],
+    "torch": ["torch==2.13.0"],
+}
+
+
+def _backend_session(backend, requirements):
+    @nox.session(name=backend, python="3.11", reuse_venv=True)
+    def session(session):
+        session.install(*PAIRS["newest"], *requirements)
+        session.install(".[test]")
+        session.env["KERAS_BACKEND"] = backend
+        session.run("python", "-m", "pytest", "-q", *(session.posargs or BACKEND_TESTS))
+
+    return session
+
+
+for _backend, _backend_requirements in BACKENDS.items():
+    _backend_session(_backend, _backend_requirements)

@@ -1,8 +1,6 @@
 """Tests for tf_lars.AGN in one process: the seed's numbers, a NumPy reference,
 model.fit under XLA, loss scaling, sparse gradients, saving and validation."""
 
-import inspect
-
 import keras
 import numpy as np
 import pytest
@@ -328,35 +326,6 @@ def test_lars_inner_trains_and_round_trips():
 
 
 # --------------------------------------------------------------- serialization
-INNERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.5),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "lars": lambda: tf_lars.LARS(learning_rate=0.1),
-    "loss_scale_lars": lambda: tf_lars.LossScaleOptimizer(
-        tf_lars.LARS(learning_rate=0.1), initial_scale=64.0
-    ),
-}
-
-
-@pytest.mark.parametrize("inner", sorted(INNERS))
-def test_serialization_round_trip(inner):
-    opt = AGN(INNERS[inner](), communication_period=7, name="my_agn")
-    serialized = keras.saving.serialize_keras_object(opt)
-    assert serialized["registered_name"] == "tf_lars>AGN"
-    restored = keras.saving.deserialize_keras_object(serialized)
-    assert type(restored) is AGN
-    assert restored.communication_period == 7
-    assert restored.name == "my_agn"
-    assert type(restored.inner_optimizer) is type(opt.inner_optimizer)
-    assert restored.get_config() == opt.get_config()
-    assert keras.saving.get_registered_name(AGN) == "tf_lars>AGN"
-
-
-def test_get_config_holds_every_constructor_argument():
-    params = set(inspect.signature(AGN.__init__).parameters) - {"self", "kwargs"}
-    assert set(AGN(keras.optimizers.SGD()).get_config()) == params
-
-
 def _small_model():
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
@@ -505,34 +474,6 @@ def test_inner_lars_exclusions_reach_the_center_optimizer():
 
 
 # ------------------------------------------------------------ Keras contract
-def test_default_name_is_numbered_by_keras():
-    first = AGN(keras.optimizers.SGD())
-    second = AGN(keras.optimizers.SGD())
-    assert inspect.signature(AGN.__init__).parameters["name"].default is None
-    assert first.name.startswith("agn") and second.name.startswith("agn")
-    assert first.name != second.name
-    assert AGN(keras.optimizers.SGD(), name="mine").name == "mine"
-
-
-def test_hand_made_sparse_gradient_with_tuple_indices():
-    table = keras.Variable(np.zeros((5, 10), np.float32))
-    opt = AGN(keras.optimizers.SGD(0.1), communication_period=2)
-    rows = tf.IndexedSlices(tf.ones((3, 10)), (0, 2, 4), (5, 10))
-    opt.apply([rows], [table])
-    expected = np.zeros((5, 10))
-    expected[[0, 2, 4]] = 1.0
-    np.testing.assert_allclose(opt.accumulators[0].numpy(), expected)
-    np.testing.assert_allclose(table.numpy(), -0.1 * expected, atol=1e-7)
-
-    @tf.function
-    def step():
-        opt.apply([tf.IndexedSlices(tf.ones((3, 10)), (0, 2, 4), (5, 10))], [table])
-
-    step()  # the commit
-    assert int(opt.commits.numpy()) == 1
-    np.testing.assert_allclose(table.numpy(), -0.1 * expected, atol=1e-6)
-
-
 def test_python_list_gradients_do_not_retrace_the_compiled_inner_step():
     var = keras.Variable([1.0, 2.0])
     opt = AGN(tf_lars.LARS(learning_rate=0.1), communication_period=2)

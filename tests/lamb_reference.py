@@ -258,3 +258,26 @@ def lamb_sparse_adam(weight, m, v, t, indices, values, lr, b1, b2, eps):
     v = b2 * v + (1 - b2) * g * g
     update = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
     return weight - lr * update, m, v
+
+
+def keras_rmsprop_direction(rho=0.9, epsilon=1e-7):
+    """Keras RMSprop (not centered, no momentum): v <- rho v + (1 - rho) g^2;
+    the step over lr is g / sqrt(v + epsilon)."""
+
+    def direction(state, i, g, t):
+        v = rho * state.get(i, np.zeros_like(g)) + (1 - rho) * g * g
+        state[i] = v
+        return g / np.sqrt(v + epsilon)
+
+    return direction
+
+
+def optax_adam_direction(b1=0.9, b2=0.999, eps=1e-6):
+    """optax `scale_by_adam` (eps after the square root of nu_hat, exact betas):
+    the direction of `optax_lamb` before weight decay and the ratio."""
+
+    def direction(state, i, g, t):
+        m, v = adam_moments(state, i, g, b1, b2)
+        return (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+
+    return direction

@@ -162,15 +162,6 @@ def test_row_tensorflow_addons_and_model_garden_lamb(dtype):
 
 
 # ----------------------------------------------------------------- behaviour
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
-def test_eager_function_and_xla_agree(mode):
-    weights, grads = _problem("float32", seed=6)
-    config = {"learning_rate": LR, "weight_decay": 0.1, "trust_clip": True}
-    reference = _run(tf_lars.LAMB(**config), weights, grads, "float32")
-    actual = _run(tf_lars.LAMB(**config), weights, grads, "float32", mode=mode)
-    _close(actual, reference, "float32")
-
-
 def test_fused_path_shares_one_unsaved_buffer_per_shape(tmp_path):
     # Without XLA and outside tf.distribute, Adam's moments and direction
     # come from one fused kernel through a scratch buffer per shape: two
@@ -319,24 +310,6 @@ def test_fit_with_and_without_xla_agree_and_monitor_reads_ratios():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_keras_save_load_continues_exactly(tmp_path):
-    model = _model()
-    model.compile(optimizer=_lamb(), loss="mse")
-    x, y = _data()
-    model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
-    path = str(tmp_path / "m.keras")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert isinstance(loaded.optimizer, tf_lars.LAMB)
-    assert loaded.optimizer.get_config() == model.optimizer.get_config()
-    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-    model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
-    loaded.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
-    for a, b in zip(model.weights, loaded.weights, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-
-
 def test_checkpoint_round_trip_continues_exactly(tmp_path):
     model = _model()
     model.compile(optimizer=_lamb(), loss="mse")
@@ -388,32 +361,6 @@ def test_learning_rate_schedule_round_trips():
     np.testing.assert_array_equal(variable.numpy(), 1.0)
     optimizer.apply([tf.ones((2, 2))], [variable])
     assert np.all(variable.numpy() < 1.0)
-
-
-def test_get_config_holds_every_constructor_argument():
-    import inspect
-
-    parameters = set(inspect.signature(tf_lars.LAMB.__init__).parameters)
-    config = tf_lars.LAMB(
-        beta_1=0.8, trust_clip=True, exclude_from_layer_adaptation=[]
-    ).get_config()
-    assert parameters - {"self", "kwargs"} == set(config)
-    again = tf_lars.LAMB.from_config(config)
-    assert again.get_config() == config
-    assert config["beta_1"] == 0.8 and config["exclude_from_layer_adaptation"] == []
-
-
-def test_registered_name_and_default_names():
-    assert keras.saving.get_registered_name(tf_lars.LAMB) == "tf_lars>LAMB"
-    first, second = tf_lars.LAMB(), tf_lars.LAMB()
-    assert first.name != second.name and first.name.startswith("lamb")
-    variable = keras.Variable(np.ones((2, 3), "float32"))
-    for optimizer in (first, second):
-        optimizer.build([variable])
-    assert first.iterations.path != second.iterations.path
-    first_paths = {v.path for v in first.variables}
-    assert not first_paths & {v.path for v in second.variables}
-    assert tf_lars.LAMB(name="mine").name == "mine"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,5 @@
 """Tests for tf_lars.LARS against NumPy references and the seeds' numbers."""
 
-import inspect
 import math
 import os
 import subprocess
@@ -119,18 +118,6 @@ def test_matches_numpy_reference(name, dtype):
         optimizer.trust_ratios.numpy(), ratios[-1], rtol=1e-5, atol=0
     )
     assert optimizer.iterations.numpy() == STEPS
-
-
-@pytest.mark.parametrize("mode", ["eager", "eager_compiled", "function", "xla"])
-@pytest.mark.parametrize("name", ["paper_nesterov", "contrib", "larc_clip"])
-def test_eager_function_and_xla_agree(name, mode):
-    config = dict(BASE, **CONFIGS[name])
-    weights, grads = _problem("float32", seed=3)
-    optimizer = tf_lars.LARS(learning_rate=0.3, **config)
-    variables = _run_tf(weights, grads, optimizer, mode, "float32")
-    expected, _, _ = _run_numpy(weights, grads, 0.3, config)
-    for variable, want in zip(variables, expected, strict=True):
-        np.testing.assert_allclose(variable.numpy(), want, rtol=2e-5, atol=2e-6)
 
 
 def _contrib_seed_case(steps, dtype):
@@ -509,37 +496,6 @@ def test_integers_are_accepted_where_floats_are():
 
 
 # --------------------------------------------------------------- serialization
-def test_get_config_holds_every_constructor_argument():
-    params = set(inspect.signature(tf_lars.LARS.__init__).parameters) - {
-        "self",
-        "kwargs",
-    }
-    optimizer = tf_lars.LARS(
-        learning_rate=0.3,
-        momentum=0.8,
-        weight_decay=1e-4,
-        trust_coefficient=0.02,
-        epsilon=1e-6,
-        nesterov=True,
-        classic_momentum=False,
-        trust_ratio="decayed",
-        decay_in_gradient=False,
-        trust_clip=True,
-        exclude_from_weight_decay=["bias"],
-        exclude_from_layer_adaptation=[ALL_1D],
-        clipnorm=1.0,
-        name="my_lars",
-    )
-    config = optimizer.get_config()
-    assert set(config) == params
-    restored = tf_lars.LARS.from_config(config)
-    assert restored.get_config() == config
-    serialized = keras.saving.serialize_keras_object(optimizer)
-    assert serialized["registered_name"] == "tf_lars>LARS"
-    again = keras.saving.deserialize_keras_object(serialized)
-    assert isinstance(again, tf_lars.LARS) and again.get_config() == config
-
-
 def test_unknown_config_key_is_refused():
     config = tf_lars.LARS().get_config()
     config["eeta"] = 0.001
@@ -570,26 +526,6 @@ def _fitted_model():
     x, y = _regression_data()
     model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
     return model
-
-
-def test_keras_save_load_continues_exactly(tmp_path):
-    model = _fitted_model()
-    path = str(tmp_path / "m.keras")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert isinstance(loaded.optimizer, tf_lars.LARS)
-    assert loaded.optimizer.get_config() == model.optimizer.get_config()
-    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-    momentum_norm = sum(
-        float(np.abs(m.numpy()).sum()) for m in model.optimizer.momentums
-    )
-    assert momentum_norm > 0
-    x, y = _regression_data()
-    model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
-    loaded.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
-    for a, b in zip(model.weights, loaded.weights, strict=True):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_checkpoint_round_trip_continues_exactly(tmp_path):
@@ -750,35 +686,6 @@ def test_numpy_scalars_are_accepted_where_floats_are():
 
 # Keras's optimizer contract (found by running Keras 3.15's own optimizer
 # tests against LARS).
-
-
-def test_default_name_is_numbered_like_keras_optimizers():
-    first, second = tf_lars.LARS(), tf_lars.LARS()
-    assert first.name == "lars"
-    assert second.name == "lars_1"
-    variable = keras.Variable(np.ones((2, 3), "float32"))
-    for optimizer in (first, second):
-        optimizer.build([variable])
-    assert first.iterations.path != second.iterations.path
-    assert first.momentums[0].path != second.momentums[0].path
-    assert tf_lars.LARS(name="mine").name == "mine"
-
-
-@pytest.mark.parametrize("compiled", [True, False])
-def test_tuple_indices_in_a_hand_built_sparse_gradient(compiled):
-    values = np.full((3, 4), 0.5, "float32")
-    variable = keras.Variable(np.ones((5, 4), "float32"))
-    optimizer = tf_lars.LARS(learning_rate=0.1, momentum=0.9)
-    optimizer.jit_compile = compiled
-    velocity = np.zeros((5, 4), "float32")
-    expected = np.ones((5, 4), "float32")
-    for _ in range(3):
-        grad = tf.IndexedSlices(tf.constant(values), (0, 2, 4), (5, 4))
-        optimizer.apply([grad], [variable])
-        velocity[[0, 2, 4]] = 0.9 * velocity[[0, 2, 4]] + 0.1 * values
-        expected[[0, 2, 4]] -= velocity[[0, 2, 4]]
-    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
-    np.testing.assert_allclose(optimizer.momentums[0].numpy(), velocity, rtol=1e-6)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

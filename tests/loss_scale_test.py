@@ -1,7 +1,6 @@
 """Tests for `tf_lars.LossScaleOptimizer` (tf_lars/loss_scale.py)."""
 
 import doctest
-import inspect
 import json
 import os
 import pathlib
@@ -712,48 +711,6 @@ def test_mixed_float16_fit_embedding_overflow_is_skipped(mixed_float16):
 # --------------------------------------------------------------------------
 
 
-def test_config_holds_every_constructor_argument():
-    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
-    arguments = set(inspect.signature(LossScaleOptimizer.__init__).parameters)
-    assert set(optimizer.get_config()) == arguments - {"self", "kwargs"}
-
-
-@pytest.mark.parametrize("inner_kind", ["sgd", "adam", "lars"])
-def test_config_round_trip(inner_kind):
-    inner = {
-        "sgd": lambda: keras.optimizers.SGD(0.3, momentum=0.7, nesterov=True),
-        "adam": lambda: keras.optimizers.Adam(1e-3, beta_1=0.8, clipnorm=1.5),
-        "lars": lambda: tf_lars.LARS(
-            learning_rate=0.2,
-            weight_decay=1e-4,
-            trust_ratio="decayed",
-            exclude_from_weight_decay=["bias"],
-        ),
-    }[inner_kind]()
-    optimizer = LossScaleOptimizer(
-        inner, initial_scale=128, dynamic=False, dynamic_growth_steps=7, name="ls"
-    )
-    config = optimizer.get_config()
-    assert config["initial_scale"] == 128.0
-    assert config["dynamic"] is False
-    assert config["dynamic_growth_steps"] == 7
-    assert config["name"] == "ls"
-    assert config["inner_optimizer"] == keras.saving.serialize_keras_object(inner)
-    json.dumps(config)  # A .keras file stores it as JSON.
-
-    restored = LossScaleOptimizer.from_config(config)
-    assert restored.get_config() == config
-    assert type(restored.inner_optimizer) is type(inner)
-    assert config["inner_optimizer"]["config"] == inner.get_config()
-
-    serialized = keras.optimizers.serialize(optimizer)
-    assert serialized["registered_name"] == "tf_lars>LossScaleOptimizer"
-    again = keras.optimizers.deserialize(json.loads(json.dumps(serialized)))
-    assert type(again) is LossScaleOptimizer
-    assert again.get_config() == config
-    assert again.dynamic is False
-
-
 def _train_to_interesting_state(optimizer, variables):
     """Finite and non-finite steps so that every counter is non-default."""
     grads_ok = [tf.ones_like(v) * 0.1 for v in variables]
@@ -974,13 +931,6 @@ def test_mirrored_strategy_replicas_agree(tmp_path):
 
 
 # Keras's optimizer contract, as for LARS (tests/lars_test.py).
-
-
-def test_default_name_is_numbered_like_keras_optimizers():
-    first = tf_lars.LossScaleOptimizer(tf_lars.LARS())
-    second = tf_lars.LossScaleOptimizer(tf_lars.LARS())
-    assert first.name != second.name
-    assert first.inner_optimizer.name != second.inner_optimizer.name
 
 
 def test_tuple_indices_and_list_gradients_through_the_wrapper():

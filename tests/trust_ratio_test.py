@@ -2,7 +2,6 @@
 ("TrustRatio and LAMB", tests/lamb_reference.py), around Keras optimizers."""
 
 import inspect
-from unittest import mock
 
 import keras
 import numpy as np
@@ -143,26 +142,6 @@ def test_inner_state_evolves_exactly_as_without_the_wrapper(inner):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-14, atol=1e-17)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
-def test_eager_function_and_xla_agree(mode):
-    weights, grads = _problem("float32", seed=2)
-    config = {"weight_decay": 0.1, "trust_clip": True, "epsilon": 1e-3}
-    reference = _run(
-        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config),
-        weights,
-        grads,
-        "float32",
-    )
-    actual = _run(
-        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config),
-        weights,
-        grads,
-        "float32",
-        mode=mode,
-    )
-    _close(actual, [r.numpy() for r in reference], "float32")
-
-
 def test_lion_and_adamw_inner_optimizers():
     weights, grads = _problem("float64", seed=3)
     for inner in (
@@ -230,45 +209,6 @@ def test_loss_scale_wrapped_equals_unscaled():
     _close(actual, [p.numpy() for p in plain], "float32")
 
 
-def test_keras_save_load_continues_exactly(tmp_path):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    model.compile(
-        optimizer=tf_lars.TrustRatio(
-            keras.optimizers.SGD(0.05, momentum=0.9),
-            weight_decay=1e-3,
-            exclude_from_weight_decay=[ALL_1D],
-        ),
-        loss="mse",
-    )
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 3)).astype("float32")
-    y = rng.normal(size=(32, 2)).astype("float32")
-    model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
-    path = str(tmp_path / "m.keras")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert isinstance(loaded.optimizer, tf_lars.TrustRatio)
-    assert loaded.optimizer.get_config() == model.optimizer.get_config()
-    model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
-    loaded.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
-    for a, b in zip(model.weights, loaded.weights, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-
-
-def test_get_config_holds_every_constructor_argument():
-    parameters = set(inspect.signature(tf_lars.TrustRatio.__init__).parameters)
-    optimizer = tf_lars.TrustRatio(
-        keras.optimizers.Adam(0.01), epsilon=1e-3, exclude_from_layer_adaptation=[]
-    )
-    config = optimizer.get_config()
-    assert parameters - {"self", "kwargs"} == set(config)
-    again = tf_lars.TrustRatio.from_config(config)
-    assert again.get_config() == config
-    assert isinstance(again.inner_optimizer, keras.optimizers.Adam)
-    assert keras.saving.get_registered_name(tf_lars.TrustRatio) == "tf_lars>TrustRatio"
-
-
 def test_learning_rate_is_the_inner_optimizers():
     optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(0.25))
     assert float(optimizer.learning_rate) == 0.25
@@ -320,83 +260,6 @@ def test_bad_arguments_raise_naming_the_argument(make, fragment):
 
 
 # Keras's optimizer contract (as for LARS in tests/lars_test.py).
-
-
-def test_default_name_is_numbered_like_keras_optimizers():
-    first = tf_lars.TrustRatio(keras.optimizers.SGD())
-    second = tf_lars.TrustRatio(keras.optimizers.SGD())
-    assert first.name.startswith("trust_ratio") and first.name != second.name
-    assert tf_lars.TrustRatio(keras.optimizers.SGD(), name="mine").name == "mine"
-
-
-@pytest.mark.parametrize("compiled", [True, False])
-def test_tuple_indices_in_a_hand_built_sparse_gradient(compiled):
-    values = np.full((3, 4), 0.5, "float32")
-    variable = keras.Variable(np.ones((5, 4), "float32"))
-    optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(0.1))
-    optimizer.jit_compile = compiled
-    expected = np.ones((5, 4), "float32")
-    for _ in range(3):
-        grad = tf.IndexedSlices(tf.constant(values), (0, 2, 4), (5, 4))
-        optimizer.apply([grad], [variable])
-        expected[[0, 2, 4]] -= 0.1 * values
-    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
-
-
-@pytest.mark.parametrize("sparse", [False, True])
-def test_model_variables_are_written_through_self_assign(sparse):
-    variable = keras.Variable(np.ones((5, 4), "float32"))
-    optimizer = tf_lars.TrustRatio(
-        keras.optimizers.SGD(0.1, momentum=0.9), weight_decay=0.01
-    )
-    optimizer.jit_compile = False
-    optimizer.build([variable])
-    if sparse:
-        grad = tf.IndexedSlices(tf.fill((3, 4), 0.5), tf.constant([0, 2, 4]), (5, 4))
-    else:
-        grad = tf.fill((5, 4), 0.5)
-    direct, depth = [], [0]
-    variable_class = variable.value.__class__
-    optimizers = (type(optimizer), type(optimizer.inner_optimizer))
-    originals = {
-        (cls, name): getattr(cls, name)
-        for cls in optimizers
-        for name in ("assign", "assign_add", "assign_sub")
-    }
-
-    def through(cls, name):
-        def write(self, target, value):
-            depth[0] += 1
-            try:
-                return originals[(cls, name)](self, target, value)
-            finally:
-                depth[0] -= 1
-
-        return write
-
-    def refuse(name):
-        original = getattr(variable_class, name)
-
-        def check(self, *args, **kwargs):
-            if len(self.shape) and not depth[0]:
-                direct.append(name)
-            return original(self, *args, **kwargs)
-
-        return check
-
-    patches = [mock.patch.object(c, n, through(c, n)) for c, n in originals] + [
-        mock.patch.object(variable_class, n, refuse(n))
-        for n in ("assign", "assign_add", "assign_sub")
-    ]
-    for patch in patches:
-        patch.start()
-    try:
-        optimizer.apply([grad], [variable])
-    finally:
-        for patch in patches:
-            patch.stop()
-    assert direct == []
-    assert not any(k in optimizer.inner_optimizer.__dict__ for k in ("assign",))
 
 
 def test_python_list_gradients_trace_the_compiled_apply_once():

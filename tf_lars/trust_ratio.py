@@ -39,15 +39,19 @@ _OUTER_ARGUMENTS = (
 
 
 def _check_inner_optimizer(inner_optimizer):
-    from tf_lars.agn import AGN
     from tf_lars.lars import LARS
+
+    refused = (keras.optimizers.LossScaleOptimizer, TrustRatio, LARS)
+    if keras.backend.backend() == "tensorflow":  # AGN exists there only.
+        from tf_lars.agn import AGN
+
+        refused += (AGN,)
 
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
         raise ValueError(
             "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
-    refused = (keras.optimizers.LossScaleOptimizer, TrustRatio, LARS, AGN)
     if isinstance(inner_optimizer, refused):
         raise ValueError(
             "`inner_optimizer` must be a plain Keras optimizer (SGD, Adam, "

@@ -1,0 +1,79 @@
+"""Across Keras backends: saved files and, on JAX, keras.distribution.
+
+Saved files: tests/data/make_across_backends.py wrote, on each backend, a
+`.keras` file per optimizer (a model after one epoch of `fit`) and the
+weights its own backend reached after one more epoch. Whatever backend runs
+this loads the other backends' files and requires its next epoch to reach
+those weights (to float32 rounding: backends order a matmul's sums
+differently).
+
+keras.distribution (JAX): `DataParallel` over two host devices and
+`ModelParallel` with a Dense kernel sharded over them give one device's
+numbers; under sharding the trust ratio is still the norm of the whole
+variable (tests/distribution_script.py, in its own process because
+`XLA_FLAGS` must be set before JAX starts).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tf_lars
+from tests.data import make_across_backends as writer
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+BACKEND = keras.backend.backend()
+WRITERS = [b for b in ("tensorflow", "jax", "torch") if b != BACKEND]
+
+
+@pytest.mark.parametrize("name", writer.OPTIMIZERS)
+@pytest.mark.parametrize("written_on", WRITERS)
+def test_saved_file_continues_as_on_the_backend_that_wrote_it(written_on, name):
+    stem = DATA / f"across_{written_on}_{name}"
+    model = keras.models.load_model(f"{stem}.keras")
+    expected = writer.make_optimizer(name)
+    assert type(model.optimizer) is type(expected)
+    assert model.optimizer.get_config()["name"] == expected.get_config()["name"]
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 5
+    writer.epoch(model)
+    continued = np.load(f"{stem}_continued.npz")
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 10
+    for key, actual in writer.weights(model).items():
+        np.testing.assert_allclose(
+            actual, continued[key], rtol=1e-5, atol=1e-6, err_msg=key
+        )
+    if isinstance(model.optimizer, tf_lars.LossScaleOptimizer):
+        # 10 finite steps, growth every 3: the scale doubled 3 times.
+        assert float(keras.ops.convert_to_numpy(model.optimizer.loss_scale)) == 2**13
+
+
+def _distribution(case):
+    script = pathlib.Path(__file__).resolve().parent / "distribution_script.py"
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), case],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{case} OK" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("case", ["data_parallel", "model_parallel"])
+def _keras_distribution_equals_one_device(case):
+    _distribution(case)
+
+
+if BACKEND == "jax":  # keras.distribution runs on JAX.
+    test_keras_distribution_equals_one_device = _keras_distribution_equals_one_device
