@@ -4,7 +4,7 @@ Imported only on the TensorFlow backend (`tf_lars._rules.kernels()`). Each
 function here stands in for the portable rule of the same name and signature
 in `tf_lars/_rules.py` (or, for LAMB's direction, in `tf_lars/lamb.py`) and
 gives its numbers; tests/backends_rules_test.py calls both and compares.
-Figures are from `tf-lars bench` on ResNet-50's 214 trainable variable
+Figures are from `python benchmarks/bench.py` on ResNet-50's 214 trainable variable
 shapes, on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the tables.
 
 1. **Batched, folded norms** (`norms`): under XLA on CPU a full reduction to
@@ -16,7 +16,7 @@ shapes, on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the tables.
    1.46x SGD-momentum's time with folding, 2.59x without. Without XLA
    (`model.fit`'s CPU default) each norm is one `MatMul` of the flattened
    tensor with itself, which reads it once and makes no temporary
-   (`_internals.in_xla_context` tells the two cases apart; `tf-lars bench
+   (`_internals.in_xla_context` tells the two cases apart; `python benchmarks/bench.py
    --only no-xla` compares it with `reduce_sum(square(x))`, the portable
    rule).
 2. **Fused writes** (`momentum_step`, `scaled_step`, `lamb_direction`):
