@@ -60,6 +60,10 @@ if TYPE_CHECKING:  # What the loading below binds, spelled out.
 
 def __getattr__(name):
     module_name = _PUBLIC.get(name)
+    if module_name is None and importlib.util.find_spec(f"tf_lars.{name}"):
+        # A submodule (`tf_lars.lars.ALL_1D`): bound on first use, as an
+        # eager import of the package used to bind it.
+        module_name = f"tf_lars.{name}"
     if module_name is None:
         raise AttributeError(f"module 'tf_lars' has no attribute {name!r}")
     module = importlib.import_module(module_name)
