@@ -598,6 +598,27 @@ def per_variable_update_step(optimizer):
     return optimizer._backend_update_step
 
 
+def portable_optimizer_config(optimizer):
+    """`keras.saving.serialize_keras_object(optimizer)`, naming the public class.
+
+    The torch backend builds its own subclasses of nine Keras optimizers
+    (`keras.optimizers.SGD()` there is a `keras.src.backend.torch...SGD`, read
+    from Keras 3.15), and Keras records that module, so a file saved there
+    would need PyTorch to load anywhere. Recording `keras.optimizers`, as the
+    other backends do, lets each backend build its own class again.
+    """
+    config = keras.saving.serialize_keras_object(optimizer)
+    name = config.get("class_name")
+    public = getattr(keras.optimizers, name, None) if name else None
+    if (
+        str(config.get("module", "")).startswith("keras.src.backend.torch.")
+        and isinstance(public, type)
+        and isinstance(optimizer, public)
+    ):
+        config = {**config, "module": "keras.optimizers", "registered_name": None}
+    return config
+
+
 #: Keras hook methods tf_lars's optimizers override, with the parameters they
 #: take: a dependency on private names as real as a read. `check_hooks` and
 #: tests/internals_test.py compare them with the installed Keras.

@@ -5,6 +5,8 @@ import sys
 import keras
 from keras import ops
 
+from tf_lars import _internals
+
 #: Keras base optimizer arguments and their defaults. Wrappers leave them to
 #: the inner optimizer; configs written by other tools carry them at these
 #: defaults, so only these values are accepted (and dropped) on a wrapper.
@@ -80,27 +82,6 @@ def gradient_as_tensor(gradient):
     return tf.convert_to_tensor(gradient)
 
 
-def _portable_config(optimizer):
-    """`serialize_keras_object(optimizer)`, naming Keras's public class.
-
-    The PyTorch backend builds its own subclasses of nine Keras optimizers
-    (`keras.optimizers.SGD()` there is a `keras.src.backend.torch...SGD`), and
-    Keras records that module: a file saved on PyTorch would then need
-    PyTorch to load anywhere. Recording `keras.optimizers` instead, as the
-    other backends do, lets each backend build its own class again.
-    """
-    config = keras.saving.serialize_keras_object(optimizer)
-    name = config.get("class_name")
-    public = getattr(keras.optimizers, name, None) if name else None
-    if (
-        str(config.get("module", "")).startswith("keras.src.backend.")
-        and isinstance(public, type)
-        and isinstance(optimizer, public)
-    ):
-        config = {**config, "module": "keras.optimizers", "registered_name": None}
-    return config
-
-
 class InnerOptimizerWrapper:
     """Mixin for optimizers built around an `inner_optimizer`.
 
@@ -124,7 +105,9 @@ class InnerOptimizerWrapper:
         optimizer's hyperparameters.
         """
         return {
-            "inner_optimizer": _portable_config(self.inner_optimizer),
+            "inner_optimizer": _internals.portable_optimizer_config(
+                self.inner_optimizer
+            ),
             **arguments,
             "name": self.name,
         }
