@@ -137,7 +137,6 @@ BACKEND_TESTS = [
     "tests/backends_rules_test.py",
     "tests/backends_loss_scale_test.py",
     "tests/backends_imports_test.py",
-    "tests/init_test.py",
 ]
 
 #: backend -> what it installs beside the newest pair. `torch==2.13.0`
