@@ -312,7 +312,16 @@ def _check_round_trip(optimizer, arguments):
     assert [type(o) for o in chains[0]] == [type(o) for o in chains[1]]
     for argument, value in arguments.items():
         if isinstance(value, keras.optimizers.Optimizer):
-            assert config[argument] == keras.saving.serialize_keras_object(value)
+            expected = keras.saving.serialize_keras_object(value)
+            if expected["module"].startswith("keras.src.backend.torch."):
+                # Recorded as Keras's public class, so that the file loads
+                # without PyTorch (_internals.portable_optimizer_config).
+                expected = {
+                    **expected,
+                    "module": "keras.optimizers",
+                    "registered_name": None,
+                }
+            assert config[argument] == expected
             assert config[argument]["config"] == value.get_config()
             continue
         assert config[argument] == value, argument
