@@ -393,15 +393,24 @@ def test_default_name_is_numbered_like_keras_optimizers(name):
     assert inspect.signature(cls.__init__).parameters["name"].default is None
     assert first.name == row.default_name
     assert second.name == f"{row.default_name}_1"
+    # Keras numbers its own optimizers' default names only on newer releases
+    # (3.8 names both "sgd"); tf_lars's are numbered on every release.
+    keras_numbers = keras.optimizers.SGD().name != keras.optimizers.SGD().name
     for a, b in zip(
         under_test.inner_chain(first), under_test.inner_chain(second), strict=True
     ):
-        assert a.name != b.name
+        ours = type(a).__module__.startswith("tf_lars.")
+        assert a.name != b.name or not (ours or keras_numbers)
     variable = keras.Variable(np.ones((2, 3), "float32"))
     for optimizer in (first, second):
         optimizer.build([variable])
-    assert first.iterations.path != second.iterations.path
-    assert not {v.path for v in first.variables} & {v.path for v in second.variables}
+    # Paths follow the names: a Keras inner optimizer's variables share
+    # their path on releases that do not number its name.
+    chain = under_test.inner_chain(first)
+    if keras_numbers or all(type(o).__module__.startswith("tf_lars.") for o in chain):
+        assert first.iterations.path != second.iterations.path
+        paths = {v.path for v in first.variables}
+        assert not paths & {v.path for v in second.variables}
     mine = cls.from_config(dict(first.get_config(), name="mine"))
     assert mine.name == "mine"
 

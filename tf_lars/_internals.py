@@ -478,9 +478,10 @@ def build_from_local_batch(model):
 
     def local_symbolic_build(iterator=None, data_batch=None):
         if iterator is not None:
-            # Keras's epoch iterator yields (begin, end, tf iterator).
-            for _, _, batches in iterator:
-                data_batch = next(batches)
+            # Keras's epoch iterator yields (begin, end, tf iterator) from
+            # Keras 3.11 on and (step, tf iterator) in 3.8: the last item.
+            for item in iterator:
+                data_batch = next(item[-1])
                 break
         if data_batch is not None:
             data_batch = tf.nest.map_structure(first_local, data_batch)
