@@ -65,10 +65,6 @@ for requirement in sys.argv[1:]:
 NOT_ON = {
     "oldest": [
         "tests/loss_scale_test.py::test_mixed_float16_fit_embedding_overflow_is_skipped",
-        # Known failures on Keras 3.8 (issue 16, open): LossScaleOptimizer
-        # under the multi-worker fit workaround differs from one process.
-        "tests/distribute_multi_worker_test.py::test_two_workers_equal_one_process[dense_loss]",
-        "tests/distribute_multi_worker_test.py::test_two_workers_equal_one_process[embedding_loss]",
     ],
 }
 

@@ -65,6 +65,11 @@ The accesses:
    shapes and dtypes matter). There is no public hook: the reduction runs
    before Keras checks whether anything needs building. Used only by
    `tf_lars.distribute.enable_multi_worker_fit`, which users call explicitly.
+   Where Keras writes metric variables through on every replica (3.8), the
+   same function replaces the loss tracker `Model._loss_tracker` (untracked,
+   as `compile` sets it) and builds the compiled metrics under a variable
+   creator that makes their `"sum"` variables sum on read, as Keras does
+   since keras-team/keras#21072.
 8. `in_xla_context()` (`tf.__internal__.get_enclosing_xla_context`): whether
    the step being traced will be compiled by XLA. The norms of
    `tf_lars._tf_fast.squared_norm` take the form that is fastest there:
@@ -464,12 +469,16 @@ def build_from_local_batch(model):
     for this model only: the first batch of the distributed iterator is
     taken, each `DistributedValues` replaced by this worker's first local
     value, and Keras's own `_symbolic_build` runs on it in the strategy's
-    scope. The class and other models are unchanged.
+    scope. The class and other models are unchanged. Where Keras writes
+    metric variables on every replica (3.8; `_metrics_sync_on_write`), the
+    loss tracker and the compiled metrics are made to sum on read instead,
+    so that `fit` logs the loss of the global batch.
     """
     strategy = model.distribute_strategy
     feature = "enable_multi_worker_fit"
     private_member(model, "_maybe_symbolic_build", feature)
     symbolic_build = private_member(model, "_symbolic_build", feature)
+    on_write = _metrics_sync_on_write(model)
 
     def first_local(value):
         if isinstance(value, tf.distribute.DistributedValues):
@@ -485,11 +494,59 @@ def build_from_local_batch(model):
                 break
         if data_batch is not None:
             data_batch = tf.nest.map_structure(first_local, data_batch)
-        with strategy.scope():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(strategy.scope())
+            if on_write:
+                stack.enter_context(tf.variable_creator_scope(_sum_on_read))
             symbolic_build(data_batch=data_batch)
 
     model._maybe_symbolic_build = local_symbolic_build
+    if on_write:
+        _renew_loss_tracker_on_read(model)
     return model
+
+
+def _sum_on_read(next_creator, **kwargs):
+    """Variable creator: a `"sum"` variable with no synchronization set is
+    created `ON_READ` (each replica keeps its own part; a read sums them).
+    Only Keras metrics create `"sum"` variables."""
+    if (
+        kwargs.get("aggregation") == tf.VariableAggregation.SUM
+        and kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        == tf.VariableSynchronization.AUTO
+    ):
+        kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+    return next_creator(**kwargs)
+
+
+def _metrics_sync_on_write(model):
+    """Whether this Keras writes metric variables through on every replica.
+
+    Keras 3.8 creates a metric's `"sum"` variables as mirrored (`ON_WRITE`)
+    variables, and a metric updates them with `assign(total + value)`: under
+    a strategy with several replicas each write is summed over the replicas,
+    so the running totals double at each step and `fit` logs a wrong loss
+    (measured with two workers: counts 16, 48, 112, 240 for 16 examples a
+    step). keras-team/keras#21072 (March 2025) creates them `ON_READ`, as
+    Keras 3.11 does; the weights were never affected.
+    """
+    tracker = private_member(model, "_loss_tracker", "enable_multi_worker_fit")
+    if tracker is None or not tracker.variables:
+        return False
+    value = backing_variable(tracker.variables[0])
+    return (
+        isinstance(value, tf.distribute.DistributedValues)
+        and value.synchronization != tf.VariableSynchronization.ON_READ
+    )
+
+
+@no_automatic_dependency_tracking
+def _renew_loss_tracker_on_read(model):
+    """Replaces the loss tracker `compile` made by one whose variables sum on
+    read (as `compile` sets it: untracked); `_symbolic_build` creates the
+    compiled metrics the same way (`build_from_local_batch`)."""
+    with model.distribute_strategy.scope(), tf.variable_creator_scope(_sum_on_read):
+        model._loss_tracker = keras.metrics.Mean(name="loss")
 
 
 # 8 ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ def _write_scalar(tag, value, step):
     without it on the other backends.
     """
     import tensorflow as tf
+
     metadata = tf.compat.v1.SummaryMetadata(
         plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
     )
