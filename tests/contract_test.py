@@ -513,13 +513,8 @@ def _variables_are_written_through_the_optimizers_assign(name, sparse):
 SPARSE_INDICES = (0, 4, 0, 2)  # a tuple, with a duplicate
 
 
-#: TrustRatio around Adam and RMSprop differs from the dense-equivalent
-#: reference on sparse rows (measured; under investigation): not listed.
-SPARSE_ROWS = sorted(set(ROWS) - {"trust_ratio_adam", "trust_ratio_rmsprop"})
-
-
 @pytest.mark.parametrize("mode", ["eager", "default"])
-@pytest.mark.parametrize("name", SPARSE_ROWS)
+@pytest.mark.parametrize("name", sorted(ROWS))
 def _sparse_gradient_rows_follow_the_numpy_reference(name, mode):
     import tensorflow as tf
 

@@ -162,8 +162,8 @@ class TrustRatio(
 
     Norms are of the whole tensor, computed in float32 (float64 for float64
     variables). Sparse gradients (`tf.IndexedSlices`) take the inner
-    optimizer's own sparse update: no ratio, no weight decay, the gradient
-    is never densified.
+    optimizer's own sparse update on the gradient with repeated rows summed
+    (as the dense gradient has them): no ratio, no weight decay.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Computes the direction
@@ -324,7 +324,9 @@ class TrustRatio(
     def update_step(self, gradient, variable, learning_rate):
         """Steps 1-5 for one variable (docs/algorithms.md)."""
         if _kernels.is_sparse(gradient):
-            # Step 5: the inner optimizer's own sparse update, no ratio.
+            # Step 5: the inner optimizer's own sparse update, no ratio, on
+            # the gradient with repeated rows summed.
+            gradient = _kernels.summed_rows(gradient)
             self._inner_update_step(gradient, variable, learning_rate)
             return
         index = _internals.variable_index(self, variable)
