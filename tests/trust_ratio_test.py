@@ -1,8 +1,6 @@
 """Tests for tf_lars.TrustRatio against the NumPy rule of docs/algorithms.md
 ("TrustRatio and LAMB", tests/lamb_reference.py), around Keras optimizers."""
 
-import inspect
-
 import keras
 import numpy as np
 import pytest
@@ -292,85 +290,8 @@ def test_inner_learning_rate_beyond_float32_is_refused():
     assert "Adam with learning_rate=inf" in str(error.value)
 
 
-def _keras_optimizer_classes():
-    """Every optimizer class the installed Keras exports, found, not listed."""
-    base = keras.optimizers.Optimizer
-    found = []
-    for name in sorted(dir(keras.optimizers)):
-        obj = getattr(keras.optimizers, name)
-        if inspect.isclass(obj) and issubclass(obj, base) and obj is not base:
-            if obj is not keras.optimizers.LossScaleOptimizer:
-                found.append(obj)
-    return found
-
-
-# Optimizers that take no per-variable step of their own and are refused.
-_UNWRAPPABLE = ("MultiOptimizer",)
-
-
-def _make_keras_optimizer(cls):
-    """`cls` with a fixed rate and every weight decay it has at 0."""
-    if cls.__name__ == "MultiOptimizer":
-        return cls(lambda variable: keras.optimizers.SGD())
-    parameters = inspect.signature(cls.__init__).parameters
-    arguments = {"learning_rate": 0.1}
-    arguments.update({p: 0.0 for p in parameters if "weight_decay" in p})
-    return cls(**arguments)
-
-
-def _reference_dtype(cls):
-    """float64 if `cls` steps a float64 variable, else float32."""
-    variable = keras.Variable(np.ones((2, 2)), dtype="float64")
-    try:
-        _make_keras_optimizer(cls).apply([tf.ones((2, 2), tf.float64)], [variable])
-    except (TypeError, tf.errors.InvalidArgumentError):
-        return "float32"
-    return "float64"
-
-
-def test_discovery_finds_keras_optimizers():
-    names = {cls.__name__ for cls in _keras_optimizer_classes()}
-    assert {"SGD", "Adam", "Nadam", "Lion", "Adafactor", "Ftrl"} <= names
-    assert "LossScaleOptimizer" not in names and "Optimizer" not in names
-
-
-@pytest.mark.parametrize(
-    "cls", _keras_optimizer_classes(), ids=lambda cls: cls.__name__
-)
-def test_trust_ratio_around_every_keras_optimizer(cls):
-    # Each step: w <- w - T * s, s the inner optimizer's own step on a copy
-    # (a second instance given the same weights), T = |w| / (|s| / lr)
-    # in NumPy. Nadam used to give NaN from the first step. The copy runs
-    # in float64 where the optimizer can: a difference of float32 weights
-    # loses the digits of small steps (Adadelta's) that T then multiplies.
-    # Tolerances: the float32 rounding of the wrapper's step (float64 copy),
-    # or of the copy's step too (float32 copy: Muon computes in float32).
-    if cls.__name__ in _UNWRAPPABLE:
-        with pytest.raises(ValueError, match=f"{cls.__name__} steps only in its"):
-            tf_lars.TrustRatio(_make_keras_optimizer(cls))
-        return
-    rng = np.random.default_rng(3)
-    start = rng.normal(size=(4, 3)).astype("float32")
-    dtype = _reference_dtype(cls)
-    ratio_rtol = 1e-5 if dtype == "float64" else 1e-4
-    weight = keras.Variable(start)
-    shadow = keras.Variable(start.astype(dtype), dtype=dtype)
-    optimizer = tf_lars.TrustRatio(_make_keras_optimizer(cls))
-    reference = _make_keras_optimizer(cls)
-    for _ in range(4):
-        gradient = rng.normal(size=(4, 3)).astype("float32")
-        before = shadow.numpy()
-        reference.apply([tf.constant(gradient, dtype)], [shadow])
-        step = (before - shadow.numpy()).astype("float64")
-        ratio = np.linalg.norm(before) / (np.linalg.norm(step) / 0.1)
-        want = before - ratio * step
-        shadow.assign(want.astype(dtype))
-        optimizer.apply([tf.constant(gradient)], [weight])
-        assert np.all(np.isfinite(weight.numpy()))
-        np.testing.assert_allclose(weight.numpy(), want, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(
-            optimizer.trust_ratios.numpy()[0], ratio, rtol=ratio_rtol
-        )
+# TrustRatio around every optimizer Keras exports: tests/backends_rules_test.py
+# (one test for every backend).
 
 
 @pytest.mark.parametrize("compiled", ["eager", "jit"])
