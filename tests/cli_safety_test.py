@@ -110,9 +110,21 @@ def test_an_unnamed_run_never_takes_an_existing_folder(tmp_path, monkeypatch):
 
 
 # -------------------------------------------------------------- Ctrl-C
+# `python -m tf_lars.cli` as from a terminal. A process started in the
+# background by a shell without job control (`cmd &` in a script, as a CI
+# runner may start the suite) inherits SIGINT ignored, and Python then never
+# raises KeyboardInterrupt; the child restores the terminal's default.
+_AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'tf-lars'; "
+    "runpy.run_module('tf_lars.cli', run_name='__main__', alter_sys=True)"
+)
+
+
 def _start(argv, cwd):
     return subprocess.Popen(
-        [sys.executable, "-m", "tf_lars.cli", *argv],
+        [sys.executable, "-c", _AS_FROM_A_TERMINAL, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
