@@ -3,7 +3,7 @@
     KERAS_BACKEND=jax python benchmarks/jax_bench.py [--repeats 15] [--fit-steps 20]
 
 Step rows: one jitted optimizer step on ResNet-50's trainable shapes
-(161 tensors, 25.5M parameters, float32), timed interleaved in one process
+(float32; the run prints their count), timed interleaved in one process
 (each round runs every candidate once, in turn), reported as the median
 over rounds with the spread (min-max) and the ratio to the row's baseline:
 
@@ -20,9 +20,14 @@ LAMB vs Adam. A benchmark, not a test: numbers depend on the machine.
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# This checkout's tf_lars, as benchmarks/bench.py times it.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -99,6 +104,8 @@ def _report(title, times, baseline):
 
 def step_rows(repeats):
     shapes = resnet50_shapes()
+    size = sum(int(np.prod(s)) for s in shapes)
+    print(f"{len(shapes)} trainable tensors, {size / 1e6:.1f}M parameters")
     lr, wd = 0.1, 1e-4
     lars_steps = {
         "keras SGD(momentum)": _keras_step(

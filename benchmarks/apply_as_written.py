@@ -1,0 +1,106 @@
+"""The XLA step as a user writes it, against `benchmarks/bench.py`'s.
+
+    python benchmarks/apply_as_written.py [--repeats 10] [--rounds 3]
+
+`benchmarks/bench.py` times `optimizer.apply` under
+`tf.function(jit_compile=True)` on variables it makes itself, with the
+optimizer built before the trace and the gradients passed as arguments.
+A user more often writes
+
+    step = tf.function(lambda: optimizer.apply(grads, model.trainable_variables),
+                       jit_compile=True)
+
+on a model's own variables, with the optimizer built inside the first
+trace and the gradients captured. This script times that, on
+`keras.applications.ResNet50(weights=None)`'s trainable variables, for
+Keras `SGD(momentum=0.9)` and `tf_lars.LARS`, and Keras `Adam`, Keras
+`Lamb` and `tf_lars.LAMB`: interleaved rounds (each round runs every
+optimizer `--repeats` steps in turn), the median over rounds of each
+round's median step, the spread of the round medians, and the ratio to the
+group's first row. A benchmark, not a test: numbers depend on the machine.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# This checkout's tf_lars, as benchmarks/bench.py times it.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_lars  # noqa: E402
+
+GROUPS = {
+    "LARS": {
+        "keras SGD(momentum=0.9)": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "tf_lars LARS(weight_decay=1e-4)": lambda: tf_lars.LARS(
+            0.1, momentum=0.9, weight_decay=1e-4
+        ),
+    },
+    "LAMB": {
+        "keras Adam": lambda: keras.optimizers.Adam(1e-3),
+        "keras Lamb": lambda: keras.optimizers.Lamb(1e-3),
+        "tf_lars LAMB(weight_decay=0.01)": lambda: tf_lars.LAMB(
+            1e-3, weight_decay=0.01
+        ),
+    },
+}
+
+
+def _step_as_written(make, model):
+    """A fresh model's variables, its gradients captured, the optimizer
+    built inside the first trace: the user's one-liner."""
+    variables = model.trainable_variables
+    grads = [
+        tf.random.normal(v.shape, stddev=1e-3, seed=i) for i, v in enumerate(variables)
+    ]
+    optimizer = make()
+    step = tf.function(lambda: optimizer.apply(grads, variables), jit_compile=True)
+    step()  # traced, built and compiled here
+    step()
+    return step
+
+
+def _median_ms(step, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    for group, contenders in GROUPS.items():
+        steps = {}
+        for name, make in contenders.items():
+            model = keras.applications.ResNet50(weights=None)
+            steps[name] = _step_as_written(make, model)
+        rounds = {name: [] for name in steps}
+        for index in range(args.rounds):
+            for name, step in steps.items():
+                rounds[name].append(_median_ms(step, args.repeats))
+            print(f"[{group}] round {index + 1}/{args.rounds} done", flush=True)
+        base = statistics.median(next(iter(rounds.values())))
+        print(f"\n{group} group, ResNet-50 trainable variables, XLA, as written")
+        print(f"{'optimizer':<34}{'median ms':>10}{'spread ms':>16}{'ratio':>8}")
+        for name, values in rounds.items():
+            median = statistics.median(values)
+            spread = f"{min(values):.2f}-{max(values):.2f}"
+            print(f"{name:<34}{median:>10.2f}{spread:>16}{median / base:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
