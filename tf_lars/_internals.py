@@ -526,9 +526,9 @@ def _metrics_sync_on_write(model):
     variables, and a metric updates them with `assign(total + value)`: under
     a strategy with several replicas each write is summed over the replicas,
     so the running totals double at each step and `fit` logs a wrong loss
-    (measured with two workers: counts 16, 48, 112, 240 for 16 examples a
-    step). keras-team/keras#21072 (March 2025) creates them `ON_READ`, as
-    Keras 3.11 does; the weights were never affected.
+    (tests/distribute_multi_worker_test.py, on the oldest pair). Keras
+    creates them `ON_READ` since keras-team/keras#21072 (March 2025; 3.11
+    does); the weights were never affected.
     """
     tracker = private_member(model, "_loss_tracker", "enable_multi_worker_fit")
     if tracker is None or not tracker.variables:
