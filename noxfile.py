@@ -7,6 +7,7 @@ the install kept the pinned TensorFlow and Keras, and runs the tests.
     nox -s oldest                   # TF 2.16 + Keras 3.8 (numpy<2)
     nox -s newest                   # TF 2.21 + Keras 3.15
     nox -s nightly                  # tf-nightly + keras-nightly (not a CI gate)
+    nox -s keras_nightly            # keras-nightly over TF 2.21 (not a CI gate)
     nox -s jax torch                # the optimizers on the JAX and PyTorch backends
     nox -s oldest -- tests/lars_test.py -x   # other pytest arguments
 
@@ -91,13 +92,11 @@ for _name, _requirements in PAIRS.items():
     _pair_session(_name, _requirements)
 
 
-@nox.session(python="3.11", reuse_venv=True)
-def nightly(session):
-    """tf-nightly + keras-nightly: a documented check, not a CI gate."""
-    session.install("--pre", "tf-nightly", "keras-nightly")
-    # tf_lars's own requirement names `tensorflow` and `keras`, which the
-    # nightly packages do not provide under those names: install the rest
-    # without resolving them, so that pip keeps the nightlies.
+def _with_nightlies(session, *nightlies):
+    """Installs `nightlies` (with `--pre`), then tf_lars without resolving its
+    `tensorflow` / `keras` requirement, which the nightly packages do not
+    satisfy under those names (so pip keeps the nightlies), then the rest."""
+    session.install("--pre", *nightlies)
     session.install("--no-deps", ".")
     session.install(
         "numpy",
@@ -116,6 +115,22 @@ def nightly(session):
         "print('tensorflow', tf.__version__, 'keras', keras.__version__)",
     )
     _run_tests(session)
+
+
+@nox.session(python="3.11", reuse_venv=True)
+def nightly(session):
+    """tf-nightly + keras-nightly: a documented check, not a CI gate."""
+    _with_nightlies(session, "tf-nightly", "keras-nightly")
+
+
+@nox.session(python="3.11", reuse_venv=True)
+def keras_nightly(session):
+    """keras-nightly over the newest TensorFlow release (not a CI gate)."""
+    session.install(PAIRS["newest"][0])
+    # keras-nightly installs the same `keras` package as Keras's release:
+    # the release (a dependency of TensorFlow) goes first, as a user would.
+    session.run("python", "-m", "pip", "uninstall", "-y", "keras")
+    _with_nightlies(session, "keras-nightly")
 
 
 # --------------------------------------------------------------------------
