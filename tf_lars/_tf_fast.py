@@ -204,17 +204,20 @@ def sparse_momentum_step(optimizer, gradient, variable, learning_rate, slot):
     optimizer.assign(variable, tf.IndexedSlices(tf.gather(target, rows) - step, rows))
 
 
-def summed_rows(gradient):
-    """The sparse gradient with each repeated row summed into one row.
+def summed_rows(gradient, dtype=None):
+    """The sparse gradient with each repeated row summed into one row (its
+    values cast to `dtype` first, if given; int64 row indices).
 
     `TrustRatio` hands this to its inner optimizer: Keras's Adam, RMSprop
     and others square the rows of a `tf.IndexedSlices` one by one, so a row
     that appears twice would contribute `a**2 + b**2` where the gradient's
     own row is `(a + b)**2` (measured: TrustRatio(Adam) moved that row 0.11
-    away from Adam on the summed gradient in three steps).
+    away from Adam on the summed gradient in three steps). LAMB's sparse
+    moments square the summed rows the same way (`sparse_adam_moments`).
     """
-    rows, position = tf.unique(gradient.indices)
-    summed = tf.math.unsorted_segment_sum(gradient.values, position, tf.size(rows))
+    values = gradient.values if dtype is None else tf.cast(gradient.values, dtype)
+    rows, position = tf.unique(tf.cast(gradient.indices, tf.int64))
+    summed = tf.math.unsorted_segment_sum(values, position, tf.size(rows))
     return tf.IndexedSlices(summed, rows, gradient.dense_shape)
 
 
@@ -223,9 +226,8 @@ def sparse_adam_moments(optimizer, gradient, m, v, one_minus_1, one_minus_2):
     before they are squared, every row of `m` and `v` decayed (as Adam on
     the summed dense gradient), the gradient never densified."""
     dtype = m.dtype
-    values = tf.cast(gradient.values, dtype)
-    rows, position = tf.unique(tf.cast(gradient.indices, tf.int64))
-    summed = tf.math.unsorted_segment_sum(values, position, tf.size(rows))
+    gradient = summed_rows(gradient, dtype)
+    summed, rows = gradient.values, gradient.indices
     optimizer.assign(m, m * tf.constant(optimizer.beta_1, dtype))
     optimizer.assign_add(m, tf.IndexedSlices(summed * one_minus_1, rows))
     optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
