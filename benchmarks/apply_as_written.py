@@ -14,17 +14,17 @@ on a model's own variables, with the optimizer built inside the first
 trace and the gradients captured. This script times that, on
 `keras.applications.ResNet50(weights=None)`'s trainable variables, for
 Keras `SGD(momentum=0.9)` and `tf_lars.LARS`, and Keras `Adam`, Keras
-`Lamb` and `tf_lars.LAMB`: interleaved rounds (each round runs every
-optimizer `--repeats` steps in turn), the median over rounds of each
-round's median step, the spread of the round medians, and the ratio to the
-group's first row. A benchmark, not a test: numbers depend on the machine.
+`Lamb` and `tf_lars.LAMB`, timed and printed as `benchmarks/bench.py` times
+and prints its XLA tables (its `_interleaved` and `_print_table`):
+interleaved rounds (each round runs every optimizer `--repeats` steps in
+turn), the median over rounds of each round's median step, the spread of
+the round medians, and the ratio to the group's first row. A benchmark,
+not a test: numbers depend on the machine.
 """
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # This checkout's tf_lars, as benchmarks/bench.py times it.
@@ -36,6 +36,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_lars  # noqa: E402
+from benchmarks import bench  # noqa: E402
 
 GROUPS = {
     "LARS": {
@@ -56,25 +57,24 @@ GROUPS = {
 
 def _step_as_written(make, model):
     """A fresh model's variables, its gradients captured, the optimizer
-    built inside the first trace: the user's one-liner."""
+    built inside the first trace: the user's one-liner. Returned as
+    `benchmarks/bench.py` steps are, `(step(grads), grads)`, the step
+    fetching the optimizer's step count as bench.py's do."""
     variables = model.trainable_variables
     grads = [
         tf.random.normal(v.shape, stddev=1e-3, seed=i) for i, v in enumerate(variables)
     ]
     optimizer = make()
-    step = tf.function(lambda: optimizer.apply(grads, variables), jit_compile=True)
-    step()  # traced, built and compiled here
-    step()
-    return step
+    as_written = tf.function(
+        lambda: optimizer.apply(grads, variables), jit_compile=True
+    )
+    as_written()  # traced, built and compiled here
 
+    def step(_grads):
+        as_written()
+        return optimizer.iterations
 
-def _median_ms(step, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return step, None
 
 
 def main(argv=None):
@@ -84,22 +84,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
     for group, contenders in GROUPS.items():
-        steps = {}
-        for name, make in contenders.items():
-            model = keras.applications.ResNet50(weights=None)
-            steps[name] = _step_as_written(make, model)
-        rounds = {name: [] for name in steps}
-        for index in range(args.rounds):
-            for name, step in steps.items():
-                rounds[name].append(_median_ms(step, args.repeats))
-            print(f"[{group}] round {index + 1}/{args.rounds} done", flush=True)
-        base = statistics.median(next(iter(rounds.values())))
-        print(f"\n{group} group, ResNet-50 trainable variables, XLA, as written")
-        print(f"{'optimizer':<34}{'median ms':>10}{'spread ms':>16}{'ratio':>8}")
-        for name, values in rounds.items():
-            median = statistics.median(values)
-            spread = f"{min(values):.2f}-{max(values):.2f}"
-            print(f"{name:<34}{median:>10.2f}{spread:>16}{median / base:>7.2f}x")
+        print(f"{group}: timing {', '.join(contenders)} ...", flush=True)
+        steps = {
+            name: _step_as_written(make, keras.applications.ResNet50(weights=None))
+            for name, make in contenders.items()
+        }
+        rows = bench._interleaved(steps, args.repeats, 1, args.rounds)
+        bench._print_table(
+            f"{group} group, ResNet-50 trainable variables, XLA, as written",
+            rows,
+            next(iter(rows)),
+        )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 Step rows: one jitted optimizer step on ResNet-50's trainable shapes
 (float32; the run prints their count), timed interleaved in one process
 (each round runs every candidate once, in turn), reported as the median
-over rounds with the spread (min-max) and the ratio to the row's baseline:
+over rounds with the spread (min-max of the steps) and the ratio to the
+row's baseline, in `benchmarks/bench.py`'s table:
 
 - tf_lars.LARS vs Keras `SGD(momentum=0.9)` vs `optax.lars` with the same
   flags (trust_ratio="decayed", nesterov off, weight decay 1e-4, eta 1e-3);
@@ -36,6 +37,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import tf_lars  # noqa: E402
+from benchmarks import bench  # noqa: E402
 
 
 def resnet50_shapes():
@@ -93,13 +95,12 @@ def _interleaved(steps, repeats):
 
 
 def _report(title, times, baseline):
-    base = statistics.median(times[baseline])
-    print(f"\n{title}")
-    print(f"{'optimizer':<28}{'median ms':>10}{'min-max ms':>16}{'x ' + baseline:>18}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        spread = f"{1e3 * min(values):.2f}-{1e3 * max(values):.2f}"
-        print(f"{name:<28}{1e3 * median:>10.2f}{spread:>16}{median / base:>18.2f}")
+    """`benchmarks/bench.py`'s table: median step, ratio, min-max spread."""
+    rows = {
+        name: (statistics.median(values), min(values), max(values))
+        for name, values in times.items()
+    }
+    bench._print_table(title, rows, baseline)
 
 
 def step_rows(repeats):
