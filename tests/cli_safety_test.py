@@ -211,6 +211,29 @@ def test_ctrl_c_in_sweep_keeps_the_finished_trainings_and_their_table(tmp_path):
     assert "[10/10]" not in out
 
 
+def test_a_training_shown_as_finished_is_kept_by_a_ctrl_c_at_once(monkeypatch):
+    # The race the test above can hit: Ctrl-C arriving just as a progress
+    # line is printed. The line's training is already in `results`.
+    from tf_lars.cli import sweep
+
+    def fake_run(config, task):
+        return {**task, "test_accuracy": 0.5, "diverged": False, "seconds": 1.0}
+
+    def out(line):
+        if line.startswith("[2/3]"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_task", fake_run)
+    tasks = [
+        {"label": "LARS", "batch_size": b, "learning_rate": 0.1, "factor": 1.0}
+        for b in (64, 128, 256)
+    ]
+    results = [None] * 3
+    with pytest.raises(KeyboardInterrupt):
+        sweep.execute({}, tasks, 1, out=out, results=results)
+    assert [r and r["batch_size"] for r in results] == [64, 128, None]
+
+
 # ------------------------------------------------------ one-line errors
 def test_a_config_file_that_is_not_text(tmp_path, capsys):
     binary = tmp_path / "b.yaml"

@@ -180,6 +180,9 @@ def execute(config, tasks, workers, out=print, results=None):
     results = [None] * total if results is None else results
 
     def report(done, index, result):
+        # Kept before it is printed: a Ctrl-C right after the line shows a
+        # training as finished must find it in `results`.
+        results[index] = result
         elapsed = time.perf_counter() - started
         remaining = elapsed / done * (total - done)
         status = (
@@ -196,7 +199,6 @@ def execute(config, tasks, workers, out=print, results=None):
             f"eta {remaining:4.0f}s {status}".rstrip()
         )
         sys.stdout.flush()  # progress, live through a pipe too
-        results[index] = result
 
     # Most expensive first (smallest batches take the most steps), so the
     # last process to finish is not left alone with a long run.
