@@ -438,7 +438,7 @@ if BACKEND == "tensorflow":
 
         @tf.function
         def step(gradient):
-            scale, direction = direction_of(
+            scale, direction, _ = direction_of(
                 optimizer, gradient, variable.value, tf.constant(0.01), decay
             )
             optimizer.inner_optimizer.iterations.assign_add(1)
@@ -464,6 +464,53 @@ if BACKEND == "tensorflow":
         # 0.001), the portable rule from the Python float.
         for a, b in zip(fast, portable, strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9)
+
+    def _xla_apply_steps(optimizer, start, grads):
+        variables = [keras.Variable(w) for w in start]
+
+        @tf.function(jit_compile=True)
+        def step(step_grads):
+            optimizer.apply(step_grads, variables)
+
+        for step_grads in grads:
+            step(step_grads)
+        return [v.numpy() for v in variables], optimizer.trust_ratios.numpy()
+
+    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+    def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale):
+        # Under XLA, LAMB's norm computes the direction again from m, v and
+        # w (`lamb_direction`'s `for_norm`, also inside the rescaling branch
+        # at the extreme scales): the same steps and ratios as a LAMB whose
+        # norm reads the stored direction, and as the reference.
+        # (64, 128) folds under XLA; norms <= scale, so they are representable.
+        start = lars_ref.extreme_values(scale)
+        grads = [
+            [tf.constant(g) for g in lars_ref.extreme_values(1.0, seed=1 + i)]
+            for i in range(STEPS)
+        ]
+        results, recomputed = [], []
+        for recompute in (True, False):
+            optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
+            if recompute:
+
+                def spy():
+                    recomputed.append(_tf_fast.recomputes_for_norms())
+                    return recomputed[-1]
+
+                optimizer._recomputes_for_norm = spy
+            else:
+                optimizer._recomputes_for_norm = lambda: False
+            results.append(_xla_apply_steps(optimizer, start, grads))
+        assert recomputed and all(recomputed)  # every variable, every trace
+        (fast, fast_ratios), (stored, stored_ratios) = results
+        np.testing.assert_allclose(fast_ratios, stored_ratios, rtol=1e-6)
+        want = ref.optax_lamb(
+            start, [[g.numpy() for g in gs] for gs in grads], 0.1, weight_decay=0.01
+        )
+        for a, b, expected in zip(fast, stored, want, strict=True):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+            np.testing.assert_allclose(a, expected, rtol=2e-5)
 
     def test_tf_compiled_apply_equals_the_portable_apply():
         got = []

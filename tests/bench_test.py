@@ -77,7 +77,12 @@ def test_bench_runs_every_part_and_prints_tables(capsys):
     ):
         assert re.search(re.escape(row) + r"\s+\d+\.\d+\s+\d+\.\d+x", out), (row, out)
     assert out.count("Sparse step") == 2  # XLA and plain tf.function
-    for row in ("Adam", "keras Lamb", "tf_lars.LAMB(weight_decay=0.01)"):
+    for row in (
+        "Adam",
+        "keras Lamb",
+        "tf_lars.LAMB(weight_decay=0.01)",
+        "tf_lars.LAMB(weight_decay=0.01), direction stored for its norm",
+    ):
         assert re.search(re.escape(row) + r"\s+\d+\.\d+\s+\d+\.\d+x", out), (row, out)
 
 

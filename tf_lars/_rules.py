@@ -47,6 +47,23 @@ def _rescaled_norm(tensor):
     return peak * ops.sqrt(ops.sum(ops.square(tensor / peak)))
 
 
+def recomputes_for_norms():
+    """Whether LAMB's norm computes the direction again from `m`, `v` and
+    `w` instead of reading the stored direction (`tf_lars.lamb.lamb_direction`).
+
+    Only under XLA on TensorFlow (`tf_lars._tf_fast.recomputes_for_norms`),
+    where the folded norms sum the squares in parallel as they read. Here
+    (JAX, PyTorch) a norm is one plain reduction, and on JAX's CPU the
+    recomputation inside it made LAMB's jitted step slower, not faster.
+    """
+    return False
+
+
+def value_of(tensor):
+    """`tensor`, or what it returns if it is a function (see `norms`)."""
+    return tensor() if callable(tensor) else tensor
+
+
 def norms(tensors):
     """Euclidean norms of `tensors` (one float dtype) as one vector.
 
@@ -54,15 +71,19 @@ def norms(tensors):
     (its squares may have underflowed), is recomputed scaled by the largest
     entry, so entries of 1e19 or 1e-30 in float32 give their true norm
     instead of inf or 0; one `ops.cond` runs that only when one needs it.
+
+    An entry may be a function that returns the tensor: it is called where
+    each norm is computed, so a compiler reads the tensor's inputs there
+    instead of keeping the tensor in memory (`tf_lars.lamb.lamb_direction`).
     """
-    squares = ops.stack([ops.sum(ops.square(tensor)) for tensor in tensors])
+    squares = ops.stack([ops.sum(ops.square(value_of(tensor))) for tensor in tensors])
     dtype = np.dtype(keras.backend.standardize_dtype(squares.dtype))
     lost_range = ops.logical_or(
         ops.logical_not(ops.isfinite(squares)), squares < np.finfo(dtype).tiny
     )
 
     def rescale_lost():
-        rescaled = ops.stack([_rescaled_norm(tensor) for tensor in tensors])
+        rescaled = ops.stack([_rescaled_norm(value_of(t)) for t in tensors])
         return ops.where(lost_range, rescaled, ops.sqrt(squares))
 
     return ops.cond(ops.any(lost_range), rescale_lost, lambda: ops.sqrt(squares))

@@ -18,7 +18,10 @@ shapes, on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the tables.
    tensor with itself, which reads it once and makes no temporary
    (`_internals.in_xla_context` tells the two cases apart; `python benchmarks/bench.py
    --only no-xla` compares it with `reduce_sum(square(x))`, the portable
-   rule).
+   rule). Under XLA, LAMB's norm of its direction takes a function that
+   computes the direction again from `m`, `v` and `w` (`recomputes_for_norms`,
+   `tf_lars.lamb.lamb_direction`), so the folded sum reads those instead of
+   a stored copy of the direction.
 2. **Fused writes** (`momentum_step`, `scaled_step`, `lamb_direction`):
    TensorFlow's `ResourceApplyMomentum`, `ResourceApplyGradientDescent` and
    `ResourceApplyAdam` kernels update a slot and a variable in one pass,
@@ -37,7 +40,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars import _internals
+from tf_lars import _internals, _rules
 from tf_lars._wrapper import gradient_as_tensor
 
 
@@ -99,8 +102,16 @@ def _rescaled_norm(tensor):
     return peak * tf.sqrt(squared_norm(tensor / peak))
 
 
+def recomputes_for_norms():
+    """Under XLA (`jit_compile`): `tf_lars._rules.recomputes_for_norms`."""
+    return _internals.in_xla_context()
+
+
 def norms(tensors):
     """Euclidean norms of `tensors` (same float dtype) as one vector.
+
+    An entry may be a function returning the tensor, called where each norm
+    is computed (`tf_lars._rules.norms` says why).
 
     The fast path is `sqrt(squared_norm(x))`. A squared norm that is not
     finite, or below the smallest normal float, is recomputed scaled by the
@@ -109,7 +120,7 @@ def norms(tensors):
     vector comparison; a `tf.cond` (XLA-compatible) runs the rescaling only
     when one needs it.
     """
-    squares = tf.stack([squared_norm(tensor) for tensor in tensors])
+    squares = tf.stack([squared_norm(_rules.value_of(t)) for t in tensors])
     bad = _needs_rescale(squares)
 
     def rescale_bad():
@@ -117,7 +128,7 @@ def norms(tensors):
         # `tf.where` keeps the fast norm where it was fine. One branch, not
         # one `tf.cond` per tensor: hundreds of nested conditionals made
         # the step several times slower to build and run without XLA.
-        rescaled = tf.stack([_rescaled_norm(tensor) for tensor in tensors])
+        rescaled = tf.stack([_rescaled_norm(_rules.value_of(t)) for t in tensors])
         return tf.where(bad, rescaled, tf.sqrt(squares))
 
     return tf.cond(tf.reduce_any(bad), rescale_bad, lambda: tf.sqrt(squares))
@@ -291,6 +302,7 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     `m / (sqrt(v) + eps * sqrt(1 - b2**t))` to it, in one pass over the
     gradient, `m`, `v` and the buffer (its own bias correction is switched
     off: `lr = -1`, both beta powers 0, so it adds the direction).
+    Returns `(scale, direction, direction)`: the norm reads the buffer too.
     """
     adam = lamb.inner_optimizer
     dtype = variable.dtype
@@ -318,7 +330,8 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
         use_locking=False,
         use_nesterov=False,
     )
-    return scale, tf.convert_to_tensor(buffer)
+    direction = tf.convert_to_tensor(buffer)
+    return scale, direction, direction
 
 
 class DirectionBuffers:

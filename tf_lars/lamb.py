@@ -6,7 +6,8 @@ there maps the published LAMB variants onto this class's flags.
 (`lamb_direction`, with `LambAdam`), the weight decay, the trust ratio and
 the write (`TrustRatio._take_step`). On the TensorFlow backend, without XLA,
 `tf_lars._tf_fast.lamb_direction` computes the same direction in one fused
-kernel.
+kernel; under XLA the norm of step 3 computes it again instead of reading
+it back (`lamb_direction`).
 """
 
 import keras
@@ -71,6 +72,11 @@ class LambAdam(keras.optimizers.Adam):
         epsilon = self.bias_corrected_epsilon(dtype)
         return self.direction_scale(dtype, learning_rate), m / (ops.sqrt(v) + epsilon)
 
+    def moments(self, variable):
+        """The values of `m` and `v` of `variable` (after `direction`)."""
+        m, v = _internals.adam_slots(self, _internals.variable_index(self, variable))
+        return ops.convert_to_tensor(m), ops.convert_to_tensor(v)
+
     def _root_2(self, dtype):
         """`sqrt(1 - b2**t)` in float32 (float64 for float64 variables)."""
         scalar = _rules.compute_dtype(dtype)
@@ -99,10 +105,32 @@ class LambAdam(keras.optimizers.Adam):
 
 def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     """Steps 1 and 2 of `lamb`: Adam's moments, and the step `lr * u` with
-    `u = m_hat / (sqrt(v_hat) + eps) + wd * w` as `(scale, direction)`."""
+    `u = m_hat / (sqrt(v_hat) + eps) + wd * w` as `(scale, direction)`.
+
+    Returns `(scale, direction, for_norm)`. `for_norm` is what step 3 takes
+    the norm of: `direction` itself, or, under XLA on TensorFlow, a function
+    that computes the same values again from `m`, `v` and `w`. XLA then
+    sums their squares in the pass that reads `m`, `v` and `w`, instead of
+    writing the direction (used twice) to memory and reading it back
+    (docs/guides/benchmarks.md: LAMB's XLA step over ResNet-50's shapes,
+    and the same step with the direction stored for its norm).
+    """
     adam = lamb.inner_optimizer
     scale, direction = adam.direction(gradient, variable, learning_rate)
-    return scale, lamb._with_decay(direction, scale, variable, learning_rate, decay)
+    direction = lamb._with_decay(direction, scale, variable, learning_rate, decay)
+    if not lamb._recomputes_for_norm():
+        return scale, direction, direction
+    m, v = adam.moments(variable)
+    epsilon = adam.bias_corrected_epsilon(variable.dtype)
+    weights = ops.convert_to_tensor(variable)
+
+    def for_norm():
+        # The same values as `direction`; `abs` (v >= 0) only makes the
+        # expression a different one, so that XLA does not share the two.
+        again = m / (ops.sqrt(ops.abs(v)) + epsilon)
+        return lamb._with_decay(again, scale, weights, learning_rate, decay)
+
+    return scale, direction, for_norm
 
 
 def _check_learning_rate(learning_rate):
@@ -139,7 +167,9 @@ class LAMB(TrustRatio):
     pass of TensorFlow's fused `ResourceApplyAdam` kernel into a scratch
     buffer: one per distinct variable shape, made when the first dense
     gradient of that shape arrives, never saved (for ResNet-50: 28 buffers,
-    45% of the parameters). Under XLA the same rule runs as plain ops.
+    45% of the parameters). Under XLA the same rule runs as plain ops, and
+    the trust ratio's norm computes the direction again from `m`, `v` and
+    `w` rather than storing it (`lamb_direction`).
 
     Args:
         learning_rate: float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -234,6 +264,10 @@ class LAMB(TrustRatio):
             None if _kernels is _rules else _kernels.DirectionBuffers()
         )
 
+    # Whether the norm recomputes the direction (`lamb_direction`); the
+    # benchmark swaps it to time the stored direction.
+    _recomputes_for_norm = staticmethod(_kernels.recomputes_for_norms)
+
     def update_step(self, gradient, variable, learning_rate):
         """LAMB's step for one variable (docs/algorithms.md).
 
@@ -252,9 +286,11 @@ class LAMB(TrustRatio):
             direction_of = _kernels.lamb_direction
         else:
             direction_of = lamb_direction
-        scale, direction = direction_of(self, gradient, variable, learning_rate, decay)
+        scale, direction, for_norm = direction_of(
+            self, gradient, variable, learning_rate, decay
+        )
         # Steps 3 and 4: T from |w| and |u|; w <- w - T * scale * direction.
-        self._take_step(index, variable, scale, direction, learning_rate)
+        self._take_step(index, variable, scale, direction, learning_rate, for_norm)
 
     @property
     def beta_1(self):

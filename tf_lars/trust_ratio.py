@@ -336,10 +336,17 @@ class TrustRatio(
         )
         self._take_step(index, variable, scale, direction, learning_rate)
 
-    def _take_step(self, index, variable, scale, direction, learning_rate):
-        """Steps 3 and 4: `w <- w - T * scale * direction`, `T` recorded."""
+    def _take_step(
+        self, index, variable, scale, direction, learning_rate, for_norm=None
+    ):
+        """Steps 3 and 4: `w <- w - T * scale * direction`, `T` recorded.
+
+        `for_norm`: the direction for the norm, or a function computing it
+        (`tf_lars.lamb.lamb_direction`); defaults to `direction`.
+        """
         if self._variable_adapted[index]:
-            ratio = self._step_trust_ratio(variable, direction, scale, learning_rate)
+            for_norm = direction if for_norm is None else for_norm
+            ratio = self._step_trust_ratio(variable, for_norm, scale, learning_rate)
             _rules.record_trust_ratios(self, [index], [ratio])
             scale = ops.cast(ratio, variable.dtype) * scale
         _kernels.scaled_step(self, variable, scale, direction)
@@ -379,11 +386,16 @@ class TrustRatio(
         return direction + factor * ops.convert_to_tensor(variable)
 
     def _step_trust_ratio(self, variable, direction, scale, learning_rate):
-        """Step 3: `T` from `|w|` and `|u| = |scale| |direction| / lr`."""
+        """Step 3: `T` from `|w|` and `|u| = |scale| |direction| / lr`.
+
+        `direction`: a tensor, or a function returning it (see `norms`).
+        """
         compute = _rules.compute_dtype(variable.dtype)
-        both = _kernels.norms(
-            [ops.cast(variable, compute), ops.cast(direction, compute)]
-        )
+        if callable(direction):
+            cast = lambda: ops.cast(direction(), compute)  # noqa: E731
+        else:
+            cast = ops.cast(direction, compute)
+        both = _kernels.norms([ops.cast(variable, compute), cast])
         w_norm, direction_norm = both[0], both[1]
         step_norm = ops.abs(ops.cast(scale, compute)) * direction_norm
         rate = ops.cast(learning_rate, compute)
