@@ -150,6 +150,9 @@ def make_optimizer(name):
             0.1, momentum=0.9, weight_decay=1e-4
         ),
         "LARS(weight_decay=0)": lambda: tf_lars.LARS(0.1, momentum=0.9),
+        "LARS(trust_ratio='decayed', weight_decay=1e-4)": lambda: tf_lars.LARS(
+            0.1, momentum=0.9, weight_decay=1e-4, trust_ratio="decayed"
+        ),
         "Adam": lambda: keras.optimizers.Adam(1e-3),
         "keras Lamb": lambda: keras.optimizers.Lamb(1e-3),
         "tf_lars.LAMB(weight_decay=0.01)": lambda: tf_lars.LAMB(
@@ -175,7 +178,12 @@ def _makers(names):
 def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=True):
     """SGD-momentum against LARS, XLA-compiled `apply` on `shapes`."""
     contenders = _makers(
-        ["SGD(momentum=0.9)", "LARS(weight_decay=1e-4)", "LARS(weight_decay=0)"]
+        [
+            "SGD(momentum=0.9)",
+            "LARS(weight_decay=1e-4)",
+            "LARS(weight_decay=0)",
+            "LARS(trust_ratio='decayed', weight_decay=1e-4)",
+        ]
     )
     steps = _compiled_steps(contenders, shapes)
     if include_reference_norms:

@@ -210,7 +210,7 @@ def test_lamb_reference_is_optax_lamb():
 
 
 @pytest.mark.parametrize("scale", lars_ref.MAGNITUDES)
-@pytest.mark.parametrize("which", ["lars", "lamb"])
+@pytest.mark.parametrize("which", ["lars", "lars_decayed", "lamb"])
 def test_norms_keep_their_range(which, scale):
     # Entries of 1e19 and up overflow float32 squares, 1e-30 underflow them.
     weights = lars_ref.extreme_values(scale)
@@ -218,12 +218,23 @@ def test_norms_keep_their_range(which, scale):
     want_norms = [np.linalg.norm(w.astype(np.float64)) for w in weights + grads]
     got = _rules.norms([ops.convert_to_tensor(x) for x in weights + grads])
     np.testing.assert_allclose(ops.convert_to_numpy(got), want_norms, rtol=1e-5)
-    if which == "lars":
-        optimizer = tf_lars.LARS(0.1, momentum=0.0, weight_decay=0.01)
+    if which.startswith("lars"):
+        # "decayed": the norm of g + wd w, a function of `_rules.apart`
+        # values that the range check's branch calls again.
+        trust_ratio = "decayed" if which == "lars_decayed" else "paper"
+        optimizer = tf_lars.LARS(
+            0.1, momentum=0.0, weight_decay=0.01, trust_ratio=trust_ratio
+        )
         want = []
         for w, g in zip(weights, grads, strict=True):
             w, _, _ = lars_ref.dense_step(
-                w, g, 0.0, 0.1, momentum=0.0, weight_decay=0.01
+                w,
+                g,
+                0.0,
+                0.1,
+                momentum=0.0,
+                weight_decay=0.01,
+                trust_ratio=trust_ratio,
             )
             want.append(w)
     else:
@@ -235,6 +246,35 @@ def test_norms_keep_their_range(which, scale):
         value = ops.convert_to_numpy(variable)
         assert np.all(np.isfinite(value))
         np.testing.assert_allclose(value, expected, rtol=2e-5)
+
+
+def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
+    a = ops.convert_to_tensor([1.0, -2.0])
+    b = ops.convert_to_tensor([[3.0]])
+    got = _rules.apart([a, b])
+    assert len(got) == 2
+    np.testing.assert_array_equal(ops.convert_to_numpy(got[0]), [1.0, -2.0])
+    np.testing.assert_array_equal(ops.convert_to_numpy(got[1]), [[3.0]])
+    if BACKEND != "jax":
+        return
+    import jax
+
+    def lars_step(decay):
+        # LARS's decayed norm reads g and w through the barrier (weight
+        # decay 0 has no g + wd w to keep apart).
+        optimizer = tf_lars.LARS(0.1, weight_decay=decay, trust_ratio="decayed")
+        variable = keras.Variable(np.ones((4, 3), "float32"))
+        optimizer.build([variable])
+        return str(
+            jax.make_jaxpr(optimizer.stateless_apply)(
+                [v.value for v in optimizer.variables],
+                [ops.ones((4, 3))],
+                [variable.value],
+            )
+        )
+
+    assert "optimization_barrier" in lars_step(0.01)
+    assert "optimization_barrier" not in lars_step(0.0)
 
 
 def test_one_trust_ratio_rule():

@@ -69,6 +69,7 @@ def test_bench_runs_every_part_and_prints_tables(capsys):
         "SGD(momentum=0.9)",
         "LARS(weight_decay=1e-4)",
         "LARS(weight_decay=0)",
+        "LARS(trust_ratio='decayed', weight_decay=1e-4)",
         "LARS(weight_decay=1e-4), reduce_sum norms",
         "LARS eager apply (op by op)",
         "LARS eager apply (compiled)",

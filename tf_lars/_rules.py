@@ -59,6 +59,25 @@ def recomputes_for_norms():
     return False
 
 
+def apart(tensors):
+    """`tensors` unchanged, as values a compiler will not merge with others.
+
+    On JAX, `jax.lax.optimization_barrier`; elsewhere the tensors
+    themselves. An expression of the returned values, such as LARS's
+    decayed gradient `g + wd w` in its norm, shares no term with the same
+    expression written elsewhere in the step. Shared, XLA would write the
+    expression to a fresh buffer as large as the variable and read it back
+    for each use; apart, it computes it inside the norm's pass over `g` and
+    `w` (docs/guides/backends.md, "What the JAX step costs").
+    """
+    tensors = tuple(tensors)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.lax.optimization_barrier(tensors)
+    return tensors
+
+
 def value_of(tensor):
     """`tensor`, or what it returns if it is a function (see `norms`)."""
     return tensor() if callable(tensor) else tensor
