@@ -16,9 +16,9 @@ row's baseline, in `benchmarks/bench.py`'s table:
 Keras optimizers run as the JAX trainer runs them: `stateless_apply` under
 `jax.jit`, state donated in the order it is returned (weights, then the
 optimizer's variables), so that each donated buffer is written in place.
-Fit rows: `model.fit` throughput (samples per
-second, median over epochs after a warm-up) of a small MLP, LARS vs SGD and
-LAMB vs Adam. A benchmark, not a test: numbers depend on the machine.
+Fit rows: `model.fit` throughput (samples per second, median over epochs
+after a warm-up) of a small MLP, LARS vs SGD and LAMB vs Adam. A benchmark,
+not a test: numbers depend on the machine.
 """
 
 import argparse

@@ -37,12 +37,10 @@ def _decayed(gradient, variable, decay, dtype):
     `_rules.apart`, so that no term of it is step 4's `g + wd w`. XLA then
     computes it inside the norm's pass over `g` and `w` (and again in the
     range check's branch, `_rules.norms`, when that runs) instead of writing
-    it to a buffer as large as the variable and reading it back: on
-    ResNet-50's shapes that took the decayed step from about 3.1x SGD's to
-    1.5x under TensorFlow's XLA, and from 3.3x to 2.4x on JAX
-    (docs/guides/benchmarks.md, docs/guides/backends.md). The negation is
-    what TensorFlow needs (it has no barrier op); the barrier keeps JAX's
-    XLA from ever merging the two.
+    it to a buffer as large as the variable and reading it back (the
+    decayed rows of docs/guides/benchmarks.md and docs/guides/backends.md).
+    The negation is what TensorFlow needs (it has no barrier op); the
+    barrier keeps JAX's XLA from ever merging the two.
     """
     gradient, variable = _rules.apart([gradient, variable])
     negated = ops.convert_to_tensor(-decay, dtype)
