@@ -167,7 +167,7 @@ def make_optimizer(name):
 
         optimizer._norms = _rules.norms
     if name.endswith(STORED_DIRECTION):
-        optimizer._recomputes_for_norm = lambda: False
+        optimizer._recomputes_for_norm = lambda direction: False
     return optimizer
 
 

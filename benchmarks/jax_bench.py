@@ -1,6 +1,7 @@
 """tf_lars on the JAX backend against Keras's and optax's optimizers.
 
     KERAS_BACKEND=jax python benchmarks/jax_bench.py [--repeats 15] [--fit-steps 20]
+        [--fit-epochs 5] [--only step|fit]
 
 Step rows: one jitted optimizer step on ResNet-50's trainable shapes
 (float32; the run prints their count), timed interleaved in one process
@@ -11,7 +12,11 @@ row's baseline, in `benchmarks/bench.py`'s table:
 - tf_lars.LARS vs Keras `SGD(momentum=0.9)` vs `optax.lars` with the same
   flags (trust_ratio="decayed", nesterov off, weight decay 1e-4, eta 1e-3),
   and tf_lars.LARS with its default ratio ("paper");
-- tf_lars.LAMB vs Keras `Lamb` vs `optax.lamb`, baseline Keras `Adam`.
+- tf_lars.LAMB vs `optax.lamb`, both with weight decay 0.01, and without
+  weight decay vs Keras `Lamb` (which has none in its rule), baseline Keras
+  `Adam`; and tf_lars.LAMB with its norm reading the stored direction (as
+  outside `jit`), to show what `tf_lars.lamb.lamb_direction`'s
+  recomputation saves.
 
 Keras optimizers run as the JAX trainer runs them: `stateless_apply` under
 `jax.jit`, state donated in the order it is returned (weights, then the
@@ -142,11 +147,21 @@ def step_rows(repeats):
         _interleaved(lars_steps, repeats),
         "keras SGD(momentum)",
     )
+    stored = tf_lars.LAMB(1e-3, weight_decay=0.01)
+    # The norm reads the stored direction, as outside `jit` (the row shows
+    # what `lamb_direction`'s recomputation saves).
+    stored._recomputes_for_norm = lambda direction: False
     lamb_steps = {
         "keras Adam": _keras_step(keras.optimizers.Adam(1e-3), shapes),
-        "tf_lars LAMB": _keras_step(tf_lars.LAMB(1e-3, weight_decay=0.01), shapes),
-        "keras Lamb": _keras_step(keras.optimizers.Lamb(1e-3), shapes),
-        "optax lamb": _optax_step(optax.lamb(1e-3, weight_decay=0.01), shapes),
+        "tf_lars LAMB (wd 0.01)": _keras_step(
+            tf_lars.LAMB(1e-3, weight_decay=0.01), shapes
+        ),
+        "tf_lars LAMB (wd 0.01, stored)": _keras_step(stored, shapes),
+        "optax lamb (wd 0.01)": _optax_step(
+            optax.lamb(1e-3, weight_decay=0.01), shapes
+        ),
+        "tf_lars LAMB (wd 0)": _keras_step(tf_lars.LAMB(1e-3), shapes),
+        "keras Lamb (no wd)": _keras_step(keras.optimizers.Lamb(1e-3), shapes),
     }
     _report(
         "LAMB step, ResNet-50 shapes, jit",
@@ -206,13 +221,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--fit-steps", type=int, default=20)
+    parser.add_argument(
+        "--fit-epochs", type=int, default=5, help="interleaved epochs per fit pair"
+    )
+    parser.add_argument(
+        "--only", choices=["step", "fit"], help="only the step rows or the fit rows"
+    )
     args = parser.parse_args()
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, keras "
         f"{keras.__version__}, optax {optax.__version__}"
     )
-    step_rows(args.repeats)
-    fit_rows(args.fit_steps)
+    if args.only != "fit":
+        step_rows(args.repeats)
+    if args.only != "step":
+        fit_rows(args.fit_steps, args.fit_epochs)
 
 
 if __name__ == "__main__":

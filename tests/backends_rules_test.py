@@ -275,6 +275,74 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
 
     assert "optimization_barrier" in lars_step(0.01)
     assert "optimization_barrier" not in lars_step(0.0)
+    # LAMB's recomputed direction reads its scalars through the barrier.
+    optimizer = tf_lars.LAMB(0.1)
+    variable = keras.Variable(np.ones((4, 3), "float32"))
+    optimizer.build([variable])
+    lamb_step = jax.make_jaxpr(optimizer.stateless_apply)(
+        [v.value for v in optimizer.variables], [ops.ones((4, 3))], [variable.value]
+    )
+    assert "optimization_barrier" in str(lamb_step)
+
+
+if BACKEND == "jax":
+
+    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+    def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale):
+        # Under jax.jit LAMB's norm computes the direction again from m, v and
+        # w (`lamb_direction`'s `for_norm`, also inside the range check's branch
+        # at the extreme scales); eagerly it reads the stored direction. Both
+        # give the reference's steps and the same ratios.
+        import jax
+
+        start = lars_ref.extreme_values(scale)
+        grads = [lars_ref.extreme_values(1.0, seed=1 + i) for i in range(STEPS)]
+        results, asked = [], {}
+        for recompute in (True, False):
+            optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
+
+            def spy(direction, recompute=recompute):
+                decided = _rules.recomputes_for_norms(direction)
+                asked.setdefault(recompute, []).append(decided)
+                return decided and recompute
+
+            optimizer._recomputes_for_norm = spy
+            variables = [keras.Variable(w) for w in start]
+            optimizer.build(variables)
+            trainable = [v.value for v in variables]
+            state = [v.value for v in optimizer.variables]
+            step = jax.jit(optimizer.stateless_apply)
+            for step_grads in grads:
+                trainable, state = step(
+                    state, [ops.convert_to_tensor(g) for g in step_grads], trainable
+                )
+            position = [id(v) for v in optimizer.variables].index(
+                id(optimizer.trust_ratios)
+            )
+            results.append(
+                ([np.asarray(t) for t in trainable], np.asarray(state[position]))
+            )
+        assert asked[True] and all(asked[True])  # traced: every variable recomputes
+        (fast, fast_ratios), (stored, stored_ratios) = results
+        np.testing.assert_allclose(fast_ratios, stored_ratios, rtol=1e-6)
+        want = ref.optax_lamb(start, grads, 0.1, weight_decay=0.01)
+        for a, b, expected in zip(fast, stored, want, strict=True):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+            np.testing.assert_allclose(a, expected, rtol=2e-5)
+
+
+def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
+    # Eager steps (PyTorch, eager JAX) read the stored direction; a traced
+    # JAX step recomputes it (the TensorFlow rule is `_tf_fast`'s).
+    eager = ops.convert_to_tensor([1.0, 2.0])
+    assert _rules.recomputes_for_norms(eager) is False
+    if BACKEND == "jax":
+        import jax
+
+        seen = []
+        jax.jit(lambda x: seen.append(_rules.recomputes_for_norms(x)) or x)(eager)
+        assert seen == [True]
 
 
 def test_one_trust_ratio_rule():
@@ -533,13 +601,13 @@ if BACKEND == "tensorflow":
             optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
             if recompute:
 
-                def spy():
-                    recomputed.append(_tf_fast.recomputes_for_norms())
+                def spy(direction):
+                    recomputed.append(_tf_fast.recomputes_for_norms(direction))
                     return recomputed[-1]
 
                 optimizer._recomputes_for_norm = spy
             else:
-                optimizer._recomputes_for_norm = lambda: False
+                optimizer._recomputes_for_norm = lambda direction: False
             results.append(_xla_apply_steps(optimizer, start, grads))
         assert recomputed and all(recomputed)  # every variable, every trace
         (fast, fast_ratios), (stored, stored_ratios) = results

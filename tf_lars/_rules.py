@@ -47,16 +47,23 @@ def _rescaled_norm(tensor):
     return peak * ops.sqrt(ops.sum(ops.square(tensor / peak)))
 
 
-def recomputes_for_norms():
+def recomputes_for_norms(tensor):
     """Whether LAMB's norm computes the direction again from `m`, `v` and
     `w` instead of reading the stored direction (`tf_lars.lamb.lamb_direction`).
 
-    Only under XLA on TensorFlow (`tf_lars._tf_fast.recomputes_for_norms`),
-    where the folded norms sum the squares in parallel as they read. Here
-    (JAX, PyTorch) a norm is one plain reduction, and on JAX's CPU the
-    recomputation inside it made LAMB's jitted step slower, not faster.
+    `tensor` is one the step computed (the direction). Yes when a compiler
+    sees the whole step: on JAX when `tensor` is traced (`jax.jit`, the JAX
+    trainer's compiled step), and under XLA on TensorFlow
+    (`tf_lars._tf_fast.recomputes_for_norms`). XLA then sums the squares in
+    the pass that reads `m`, `v` and `w`, instead of writing the direction
+    (used twice) to memory and reading it back. Not when each op runs on
+    its own (PyTorch, eager JAX): there the recomputation is extra work.
     """
-    return False
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return isinstance(tensor, jax.core.Tracer)
 
 
 def apart(tensors):

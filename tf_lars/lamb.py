@@ -6,8 +6,8 @@ there maps the published LAMB variants onto this class's flags.
 (`lamb_direction`, with `LambAdam`), the weight decay, the trust ratio and
 the write (`TrustRatio._take_step`). On the TensorFlow backend, without XLA,
 `tf_lars._tf_fast.lamb_direction` computes the same direction in one fused
-kernel; under XLA the norm of step 3 computes it again instead of reading
-it back (`lamb_direction`).
+kernel; under XLA (TensorFlow's or JAX's) the norm of step 3 computes it
+again instead of reading it back (`lamb_direction`).
 """
 
 import keras
@@ -108,27 +108,35 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     `u = m_hat / (sqrt(v_hat) + eps) + wd * w` as `(scale, direction)`.
 
     Returns `(scale, direction, for_norm)`. `for_norm` is what step 3 takes
-    the norm of: `direction` itself, or, under XLA on TensorFlow, a function
-    that computes the same values again from `m`, `v` and `w`. XLA then
-    sums their squares in the pass that reads `m`, `v` and `w`, instead of
-    writing the direction (used twice) to memory and reading it back
-    (docs/guides/benchmarks.md: LAMB's XLA step over ResNet-50's shapes,
-    and the same step with the direction stored for its norm).
+    the norm of: `direction` itself, or, where XLA compiles the step (JAX
+    under `jit`, TensorFlow under XLA; `_rules.recomputes_for_norms`), a
+    function that computes the same values again from `m`, `v` and `w`.
+    XLA then sums their squares in the pass that reads `m`, `v` and `w`,
+    instead of writing the direction (used twice) to memory and reading it
+    back (docs/guides/benchmarks.md: LAMB's XLA step over ResNet-50's
+    shapes, and the same step with the direction stored for its norm).
     """
     adam = lamb.inner_optimizer
     scale, direction = adam.direction(gradient, variable, learning_rate)
     direction = lamb._with_decay(direction, scale, variable, learning_rate, decay)
-    if not lamb._recomputes_for_norm():
+    if not lamb._recomputes_for_norm(direction):
         return scale, direction, direction
     m, v = adam.moments(variable)
     epsilon = adam.bias_corrected_epsilon(variable.dtype)
+    factor = lamb._decay_factor(scale, learning_rate, decay)
     weights = ops.convert_to_tensor(variable)
 
     def for_norm():
         # The same values as `direction`; `abs` (v >= 0) only makes the
         # expression a different one, so that XLA does not share the two.
-        again = m / (ops.sqrt(ops.abs(v)) + epsilon)
-        return lamb._with_decay(again, scale, weights, learning_rate, decay)
+        # The scalars pass `apart`: on JAX, XLA would otherwise fold their
+        # arithmetic into a broadcast and write it out as large as `v`
+        # before the norm reads it (docs/guides/backends.md).
+        eps, wd_factor = _rules.apart([epsilon, factor])
+        again = m / (ops.sqrt(ops.abs(v)) + eps)
+        if decay == 0.0:
+            return again
+        return again + wd_factor * weights
 
     return scale, direction, for_norm
 
@@ -167,9 +175,10 @@ class LAMB(TrustRatio):
     pass of TensorFlow's fused `ResourceApplyAdam` kernel into a scratch
     buffer: one per distinct variable shape, made when the first dense
     gradient of that shape arrives, never saved (for ResNet-50: 28 buffers,
-    45% of the parameters). Under XLA the same rule runs as plain ops, and
-    the trust ratio's norm computes the direction again from `m`, `v` and
-    `w` rather than storing it (`lamb_direction`).
+    45% of the parameters). Under XLA (TensorFlow's `jit_compile`, and JAX's
+    `jit`, as in the JAX trainer) the same rule runs as plain ops, and the
+    trust ratio's norm computes the direction again from `m`, `v` and `w`
+    rather than storing it (`lamb_direction`).
 
     Args:
         learning_rate: float, a `keras.optimizers.schedules.LearningRateSchedule`
