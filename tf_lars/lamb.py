@@ -122,21 +122,23 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     if not lamb._recomputes_for_norm(direction):
         return scale, direction, direction
     m, v = adam.moments(variable)
-    epsilon = adam.bias_corrected_epsilon(variable.dtype)
-    factor = lamb._decay_factor(scale, learning_rate, decay)
+    scalars = [adam.bias_corrected_epsilon(variable.dtype)]
+    if decay != 0.0:
+        scalars.append(lamb._decay_factor(scale, learning_rate, decay))
     weights = ops.convert_to_tensor(variable)
 
     def for_norm():
-        # The same values as `direction`; `abs` (v >= 0) only makes the
-        # expression a different one, so that XLA does not share the two.
-        # The scalars pass `apart`: on JAX, XLA would otherwise fold their
-        # arithmetic into a broadcast and write it out as large as `v`
-        # before the norm reads it (docs/guides/backends.md).
-        eps, wd_factor = _rules.apart([epsilon, factor])
-        again = m / (ops.sqrt(ops.abs(v)) + eps)
+        # The same values as `direction` (`TrustRatio._with_decay`'s sum);
+        # `abs` (v >= 0) only makes the expression a different one, so that
+        # XLA does not share the two. The scalars pass `apart`: on JAX, XLA
+        # would otherwise fold their arithmetic into a broadcast and write it
+        # out as large as `v` before the norm reads it
+        # (docs/guides/backends.md).
+        kept = _rules.apart(scalars)  # epsilon, then the decay factor
+        again = m / (ops.sqrt(ops.abs(v)) + kept[0])
         if decay == 0.0:
             return again
-        return again + wd_factor * weights
+        return again + kept[1] * weights
 
     return scale, direction, for_norm
 
