@@ -268,6 +268,64 @@ def bench_no_xla(shapes, repeats, warmup):
     return samples
 
 
+TRAFFIC_GROUPS = (
+    (
+        "SGD(momentum=0.9)",
+        (
+            "LARS(weight_decay=1e-4)",
+            "LARS(weight_decay=0)",
+            "LARS(trust_ratio='decayed', weight_decay=1e-4)",
+        ),
+    ),
+    (
+        "Adam",
+        (
+            "keras Lamb",
+            "tf_lars.LAMB(weight_decay=0.01)",
+            "tf_lars.LAMB(weight_decay=0)",
+            "tf_lars.LAMB(weight_decay=0.01)" + STORED_DIRECTION,
+        ),
+    ),
+)
+
+
+def bench_traffic(shapes):
+    """Bytes each XLA-compiled dense step moves (`benchmarks/hlo_traffic.py`).
+
+    Compiles `tf.function(jit_compile=True)` of `apply` for each row of
+    `TRAFFIC_GROUPS` and counts the optimized HLO; nothing is timed.
+    Returns `{name: hlo_traffic.Traffic}`.
+    """
+    from benchmarks import hlo_traffic
+
+    rows = {}
+    for baseline, group in TRAFFIC_GROUPS:
+        for name in (baseline, *group):
+            variables, grads = _dense_problem(shapes)
+            step = _compiled_apply(make_optimizer(name), variables)
+            text = step.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
+            rows[name] = hlo_traffic.traffic(text)
+    return rows
+
+
+def print_traffic_table(title, rows, groups, parameters):
+    """Bytes read, written and in all per parameter, and the ratio of the
+    total to the group's baseline (the first row of each group)."""
+    print(f"\n{title}")
+    width = max(len(name) for name in rows) + 2
+    header = f"{'read':>8}{'written':>9}{'total':>8}{'ratio':>9}"
+    print(f"{'bytes per parameter':{width}}{header}")
+    for baseline, group in groups:
+        base = rows[baseline].total
+        for name in (baseline, *group):
+            row = rows[name]
+            print(
+                f"{name:{width}}{row.read / parameters:>8.2f}"
+                f"{row.written / parameters:>9.2f}{row.total / parameters:>8.2f}"
+                f"{row.total / base:>8.2f}x"
+            )
+
+
 def _print_paired_table(title, rows, groups):
     """Median step per row and the median of its paired ratios to the baseline."""
     print(f"\n{title}")
@@ -522,7 +580,7 @@ def parse_arguments(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument(
         "--only",
-        choices=["dense", "adaptive", "no-xla", "eager", "sparse", "fit"],
+        choices=["dense", "adaptive", "no-xla", "eager", "sparse", "traffic", "fit"],
         action="append",
         help="run only these parts (repeatable); default: all but fit",
     )
@@ -588,7 +646,7 @@ def main(argv=None):
         The exit status, 0. A bad argument exits with status 2 (argparse).
     """
     args = parse_arguments(argv)
-    parts = args.only or ["dense", "adaptive", "no-xla", "eager", "sparse"]
+    parts = args.only or ["dense", "adaptive", "no-xla", "eager", "sparse", "traffic"]
 
     from tf_lars.cli import import_tensorflow, set_tensorflow_log_level
 
@@ -601,7 +659,9 @@ def main(argv=None):
         flush=True,
     )
     shapes = None
-    if any(part in parts for part in ("dense", "adaptive", "no-xla", "eager")):
+    if any(
+        part in parts for part in ("dense", "adaptive", "no-xla", "eager", "traffic")
+    ):
         shapes = resnet50_shapes() if args.model == "resnet50" else TINY_SHAPES
         parameters = sum(math.prod(s) for s in shapes)
         print(
@@ -660,6 +720,15 @@ def main(argv=None):
                 rows,
                 "LARS sparse",
             )
+    if "traffic" in parts:
+        print("\ntraffic: compiling the dense steps (nothing timed) ...", flush=True)
+        print_traffic_table(
+            f"Bytes each XLA-compiled step moves, {args.model} shapes "
+            "(optimized HLO, benchmarks/hlo_traffic.py)",
+            bench_traffic(shapes),
+            TRAFFIC_GROUPS,
+            parameters,
+        )
     if "fit" in parts:
         modes = {"off": [False], "on": [True], "both": [False, True]}[args.fit_jit]
         for jit_compile in modes:

@@ -1,7 +1,7 @@
 """tf_lars on the JAX backend against Keras's and optax's optimizers.
 
     KERAS_BACKEND=jax python benchmarks/jax_bench.py [--repeats 15] [--fit-steps 20]
-        [--fit-epochs 5] [--only step|fit]
+        [--fit-epochs 5] [--only step|fit|traffic]
 
 Step rows: one jitted optimizer step on ResNet-50's trainable shapes
 (float32; the run prints their count), timed interleaved in one process
@@ -22,8 +22,11 @@ Keras optimizers run as the JAX trainer runs them: `stateless_apply` under
 `jax.jit`, state donated in the order it is returned (weights, then the
 optimizer's variables), so that each donated buffer is written in place.
 Fit rows: `model.fit` throughput (samples per second, median over epochs
-after a warm-up) of a small MLP, LARS vs SGD and LAMB vs Adam. A benchmark,
-not a test: numbers depend on the machine.
+after a warm-up) of a small MLP, LARS vs SGD, LAMB vs Adam and, for
+comparison, Keras `Lamb` vs Adam. Traffic rows (`--only traffic`): the bytes
+each step row's compiled program reads and writes per parameter, counted
+from its optimized HLO (`benchmarks/hlo_traffic.py`). A benchmark, not a
+test: the timed numbers depend on the machine.
 """
 
 import argparse
@@ -45,7 +48,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import tf_lars  # noqa: E402
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, hlo_traffic  # noqa: E402
 
 
 def resnet50_shapes():
@@ -78,6 +81,7 @@ def _keras_step(optimizer, shapes):
         state["train"], state["opt"] = apply(state["train"], state["opt"], grads)
         jax.block_until_ready(state["train"])
 
+    step.hlo = lambda: _optimized_hlo(apply, state["train"], state["opt"], grads)
     return step
 
 
@@ -96,7 +100,13 @@ def _optax_step(transform, shapes):
         state["params"], state["opt"] = update(state["params"], state["opt"], grads)
         jax.block_until_ready(state["params"])
 
+    step.hlo = lambda: _optimized_hlo(update, state["params"], state["opt"], grads)
     return step
+
+
+def _optimized_hlo(jitted, *args):
+    """The optimized HLO text XLA compiles `jitted(*args)` to."""
+    return jitted.lower(*args).compile().as_text()
 
 
 def _interleaved(steps, repeats):
@@ -121,12 +131,10 @@ def _report(title, times, baseline):
     bench._print_table(title, rows, baseline)
 
 
-def step_rows(repeats):
-    shapes = resnet50_shapes()
-    size = sum(int(np.prod(s)) for s in shapes)
-    print(f"{len(shapes)} trainable tensors, {size / 1e6:.1f}M parameters")
+def lars_steps(shapes):
+    """The LARS rows' steps, baseline first (see the module docstring)."""
     lr, wd = 0.1, 1e-4
-    lars_steps = {
+    return {
         "keras SGD(momentum)": _keras_step(
             keras.optimizers.SGD(lr, momentum=0.9), shapes
         ),
@@ -142,16 +150,15 @@ def step_rows(repeats):
             shapes,
         ),
     }
-    _report(
-        "LARS step, ResNet-50 shapes, jit",
-        _interleaved(lars_steps, repeats),
-        "keras SGD(momentum)",
-    )
+
+
+def lamb_steps(shapes):
+    """The LAMB rows' steps, baseline first (see the module docstring)."""
     stored = tf_lars.LAMB(1e-3, weight_decay=0.01)
     # The norm reads the stored direction, as outside `jit` (the row shows
     # what `lamb_direction`'s recomputation saves).
     stored._recomputes_for_norm = lambda direction: False
-    lamb_steps = {
+    return {
         "keras Adam": _keras_step(keras.optimizers.Adam(1e-3), shapes),
         "tf_lars LAMB (wd 0.01)": _keras_step(
             tf_lars.LAMB(1e-3, weight_decay=0.01), shapes
@@ -163,10 +170,44 @@ def step_rows(repeats):
         "tf_lars LAMB (wd 0)": _keras_step(tf_lars.LAMB(1e-3), shapes),
         "keras Lamb (no wd)": _keras_step(keras.optimizers.Lamb(1e-3), shapes),
     }
+
+
+def _shapes():
+    shapes = resnet50_shapes()
+    size = sum(int(np.prod(s)) for s in shapes)
+    print(f"{len(shapes)} trainable tensors, {size / 1e6:.1f}M parameters")
+    return shapes, size
+
+
+def step_rows(repeats):
+    shapes, _ = _shapes()
+    _report(
+        "LARS step, ResNet-50 shapes, jit",
+        _interleaved(lars_steps(shapes), repeats),
+        "keras SGD(momentum)",
+    )
     _report(
         "LAMB step, ResNet-50 shapes, jit",
-        _interleaved(lamb_steps, repeats),
+        _interleaved(lamb_steps(shapes), repeats),
         "keras Adam",
+    )
+
+
+def traffic_rows():
+    """Bytes each row's jitted step moves per parameter, counted from its
+    optimized HLO (`benchmarks/hlo_traffic.py`); nothing is timed."""
+    shapes, size = _shapes()
+    rows, groups = {}, []
+    for steps in (lars_steps(shapes), lamb_steps(shapes)):
+        names = list(steps)
+        groups.append((names[0], tuple(names[1:])))
+        for name, step in steps.items():
+            rows[name] = hlo_traffic.traffic(step.hlo())
+    bench.print_traffic_table(
+        "Bytes each jitted step moves, ResNet-50 shapes (optimized HLO)",
+        rows,
+        groups,
+        size,
     )
 
 
@@ -203,10 +244,15 @@ def fit_rows(steps, epochs=5):
             lambda: keras.optimizers.Adam(1e-3),
             lambda: tf_lars.LAMB(1e-3, weight_decay=0.01),
         ),
+        # Keras's own LAMB on the same model: what any LAMB costs here.
+        "keras Lamb vs Adam": (
+            lambda: keras.optimizers.Adam(1e-3),
+            lambda: keras.optimizers.Lamb(1e-3),
+        ),
     }
     print("\nmodel.fit throughput, MLP 512-1024-1024-10, batch 256, jit")
     print(
-        f"{'pair':<24}{'baseline samples/s':>20}{'tf_lars samples/s':>20}{'ratio':>8}"
+        f"{'pair':<24}{'baseline samples/s':>20}{'contender samples/s':>20}{'ratio':>8}"
     )
     for name, (baseline, ours) in pairs.items():
         rates = {"base": [], "ours": []}
@@ -225,16 +271,20 @@ def main():
         "--fit-epochs", type=int, default=5, help="interleaved epochs per fit pair"
     )
     parser.add_argument(
-        "--only", choices=["step", "fit"], help="only the step rows or the fit rows"
+        "--only",
+        choices=["step", "fit", "traffic"],
+        help="only the step rows, the fit rows or the traffic rows (bytes moved)",
     )
     args = parser.parse_args()
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, keras "
         f"{keras.__version__}, optax {optax.__version__}"
     )
-    if args.only != "fit":
+    if args.only in (None, "step"):
         step_rows(args.repeats)
-    if args.only != "step":
+    if args.only in (None, "traffic"):
+        traffic_rows()
+    if args.only in (None, "fit"):
         fit_rows(args.fit_steps, args.fit_epochs)
 
 

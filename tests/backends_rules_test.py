@@ -313,6 +313,77 @@ if BACKEND == "jax":
             np.testing.assert_allclose(a, expected, rtol=2e-5)
 
 
+def _hlo_traffic():
+    # A script of the source checkout, loaded from its path (as
+    # tests/bench_test.py loads benchmarks/bench.py).
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(
+        "hlo_traffic", path / "hlo_traffic.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled_step_hlo(optimizer, variables, grads):
+    """XLA's optimized HLO of one step: `stateless_apply` under `jax.jit`
+    (JAX), `apply` under `tf.function(jit_compile=True)` (TensorFlow)."""
+    optimizer.build(variables)
+    if BACKEND == "jax":
+        import jax
+
+        lowered = jax.jit(optimizer.stateless_apply).lower(
+            [v.value for v in optimizer.variables],
+            grads,
+            [v.value for v in variables],
+        )
+        return lowered.compile().as_text()
+    import tensorflow as tf
+
+    @tf.function(jit_compile=True)
+    def step(grads):
+        optimizer.apply(grads, variables)
+        return optimizer.iterations
+
+    return step.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
+
+
+# XLA compiles the steps on JAX and TensorFlow (PyTorch runs op by op).
+if BACKEND in ("jax", "tensorflow"):
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            lambda: tf_lars.LARS(0.1, weight_decay=0.01),
+            lambda: tf_lars.LARS(0.1, weight_decay=0.01, trust_ratio="decayed"),
+            lambda: tf_lars.LAMB(0.1, weight_decay=0.01),
+            lambda: tf_lars.LAMB(0.1),
+        ],
+        ids=["sgd", "lars", "lars_decayed", "lamb", "lamb_no_decay"],
+    )
+    def test_compiled_step_writes_no_variable_sized_temporary(make):
+        # XLA's optimized program of the compiled step writes nothing as large
+        # as a variable except the new weights and slots: no broadcast of a
+        # scalar (LARS's decay, LAMB's epsilon and decay factor), no stored
+        # direction, no `g + wd w` (docs/guides/backends.md, "What the JAX step
+        # costs"). Two variables of one shape, as in a model, where XLA would
+        # share a broadcast between them.
+        hlo_traffic = _hlo_traffic()
+        optimizer = make()
+        variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
+        grads = [ops.full((256, 64), 1e-3) for _ in variables]
+        text = _compiled_step_hlo(optimizer, variables, grads)
+        size = 256 * 64 * 4
+        assert hlo_traffic.temporaries(text, at_least=size) == []
+        # And it does write every weight and slot (the count sees them).
+        slots = sum(1 for v in optimizer.variables if tuple(v.shape) == (256, 64))
+        assert hlo_traffic.traffic(text).written >= size * (len(variables) + slots)
+
+
 def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
     # Eager steps (PyTorch, eager JAX) read the stored direction; a traced
     # JAX step recomputes it (the TensorFlow rule is `_tf_fast`'s).

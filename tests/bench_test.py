@@ -16,6 +16,11 @@ SCRIPT = REPO / "benchmarks" / "bench.py"
 _SPEC = importlib.util.spec_from_file_location("bench", SCRIPT)
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
+_SPEC = importlib.util.spec_from_file_location(
+    "hlo_traffic", REPO / "benchmarks" / "hlo_traffic.py"
+)
+hlo_traffic = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(hlo_traffic)
 
 
 def test_script_help_runs_from_a_checkout_without_tensorflow(tmp_path):
@@ -85,6 +90,13 @@ def test_bench_runs_every_part_and_prints_tables(capsys):
         "tf_lars.LAMB(weight_decay=0.01), direction stored for its norm",
     ):
         assert re.search(re.escape(row) + r"\s+\d+\.\d+\s+\d+\.\d+x", out), (row, out)
+    # The traffic table: read, written, total bytes per parameter, ratio.
+    assert "Bytes each XLA-compiled step moves" in out
+    number = r"\s+\d+\.\d\d"
+    for baseline, group in bench.TRAFFIC_GROUPS:
+        assert re.search(re.escape(baseline) + number * 3 + r"\s+1\.00x", out), out
+        for row in group:
+            assert re.search(re.escape(row) + number * 4 + "x", out), (row, out)
 
 
 def test_bench_fit_mode_prints_throughput_rows(capsys):
@@ -151,3 +163,91 @@ def test_paired_table_ratio_iqr_stays_within_the_ratios(capsys):
     assert lines[0].split() == ["base", "1000.00", "1.00x", "1.00-1.00"]
     assert lines[1].split() == ["near", "1100.00", "1.10x", "1.05-1.15"]
     assert lines[2].split() == ["far", "1500.00", "1.50x", "1.25-1.75"]
+
+
+# An entry computation as TensorFlow's XLA prints it: a tuple result, a
+# conditional (skipped: its branches run only when taken), a bitcast and a
+# constant (skipped), an operand used twice (read once).
+TF_STYLE_HLO = """HloModule a_inference_step, entry_computation_layout={...}
+
+%fused (p: f32[1024]) -> f32[1024] {
+  ROOT %p = f32[1024]{0} parameter(0)
+}
+
+ENTRY %step.9 (arg0.1: f32[1024], arg1.1: f32[1024], arg2.1: s64[]) -> (...) {
+  %arg0.1 = f32[1024]{0} parameter(0), metadata={op_name="XLA_Args"}
+  %arg1.1 = f32[1024]{0} parameter(1), metadata={op_name="XLA_Args"}
+  %arg2.1 = s64[] parameter(2)
+  %one = s64[] constant(1)
+  %rows = f32[8]{0} fusion(%arg0.1), kind=kLoop, calls=%fused
+  %tuple.5 = (f32[8]{0}) tuple(%rows)
+  %cond = (f32[8]{0}) conditional(%arg2.1, %tuple.5, %tuple.5), true_computation=%t
+  %picked = f32[8]{0} get-tuple-element(%cond), index=0
+  %flat = f32[2,4]{1,0} bitcast(%picked)
+  %update = f32[1024]{0} fusion(%arg0.1, %arg1.1, %flat, %arg0.1), kind=kLoop
+  %count = s64[] add(%arg2.1, %one)
+  ROOT %tuple.9 = (f32[1024]{0}, /*index=1*/s64[]) tuple(%update, %count)
+}
+"""
+
+# As JAX prints it: a multi-output fusion, a custom (YNN) reduction, a dot.
+JAX_STYLE_HLO = """HloModule jit_apply, is_scheduled=true
+
+ENTRY %main.3 (w.1: f32[64,16], g.1: f32[64,16]) -> (f32[64,16], f32[]) {
+  %w.1 = f32[64,16]{1,0} parameter(0), metadata={op_name="w"}
+  %g.1 = f32[64,16]{1,0} parameter(1), metadata={op_name="g"}
+  %ones = f32[16,1]{1,0} fusion(), kind=kLoop, calls=%f1
+  %dot = f32[64,1]{1,0} dot(%g.1, %ones), lhs_contracting_dims={1}
+  %ynn_fusion = f32[1]{0} fusion(%dot, %w.1), kind=kCustom, backend_config={}
+  %both = (f32[64,16]{1,0}, f32[64,16]{1,0}) fusion(%w.1, %g.1, %ynn_fusion)
+  %new = f32[64,16]{1,0} get-tuple-element(%both), index=0
+  %scratch = f32[64,16]{1,0} get-tuple-element(%both), index=1
+  %barrier = (f32[64,16]{1,0}) opt-barrier(%scratch)
+  %norm = f32[] fusion(%ynn_fusion), kind=kLoop, calls=%f4
+  ROOT %out = (f32[64,16]{1,0}, f32[]) tuple(%new, %norm)
+}
+"""
+
+
+def test_traffic_counts_each_kernel_operand_once_and_its_result():
+    # rows: reads arg0 (4096), writes 32; update: reads arg0, arg1, flat
+    # (4096 + 4096 + 32), writes 4096; count: reads 8 + 8, writes 8.
+    assert hlo_traffic.traffic(TF_STYLE_HLO) == hlo_traffic.Traffic(
+        read=4096 + (4096 + 4096 + 32) + 16, written=32 + 4096 + 8
+    )
+    # ones: writes 64; dot: reads 4096 + 64, writes 256; ynn_fusion: reads
+    # 256 + 4096, writes 4; both: reads 4096 * 2 + 4, writes 8192; norm:
+    # reads 4, writes 4.
+    assert hlo_traffic.traffic(JAX_STYLE_HLO) == hlo_traffic.Traffic(
+        read=4160 + 4352 + 8196 + 4, written=64 + 256 + 4 + 8192 + 4
+    )
+
+
+def test_temporaries_are_large_written_values_that_are_not_outputs():
+    assert hlo_traffic.temporaries(TF_STYLE_HLO, at_least=4096) == []
+    # `both` writes the new weight (an output) and a scratch tensor.
+    assert hlo_traffic.temporaries(JAX_STYLE_HLO, at_least=4096) == ["both"]
+    assert hlo_traffic.temporaries(JAX_STYLE_HLO, at_least=200) == ["dot", "both"]
+
+
+def test_traffic_of_a_compiled_function_is_its_arrays():
+    # y = 2x + 1 over a million floats: one kernel reads x, writes y.
+    import tensorflow as tf
+
+    x = tf.ones([1_000_000])
+    compiled = tf.function(lambda x: 2.0 * x + 1.0, jit_compile=True)
+    text = compiled.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    assert hlo_traffic.traffic(text) == hlo_traffic.Traffic(4_000_000, 4_000_000)
+
+
+def test_traffic_rejects_text_without_an_entry_computation():
+    for text in (
+        "HloModule m\n",
+        "ENTRY %main () -> f32[] {\n  %x = f32[] constant(1)\n",
+    ):
+        try:
+            hlo_traffic.traffic(text)
+        except ValueError as error:
+            assert "ENTRY" in str(error)
+        else:
+            raise AssertionError("expected a ValueError")

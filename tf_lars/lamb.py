@@ -130,15 +130,16 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     def for_norm():
         # The same values as `direction` (`TrustRatio._with_decay`'s sum);
         # `abs` (v >= 0) only makes the expression a different one, so that
-        # XLA does not share the two. The scalars pass `apart`: on JAX, XLA
-        # would otherwise fold their arithmetic into a broadcast and write it
-        # out as large as `v` before the norm reads it
-        # (docs/guides/backends.md).
-        kept = _rules.apart(scalars)  # epsilon, then the decay factor
-        again = m / (ops.sqrt(ops.abs(v)) + kept[0])
+        # XLA does not share the two. The scalars pass `apart` with `v`: on
+        # JAX, XLA would otherwise fold their arithmetic into a broadcast
+        # and write it out as large as `v` before the norm reads it (a
+        # barrier around the scalars alone did not stop that;
+        # docs/guides/backends.md).
+        kept = _rules.apart([v, *scalars])  # v, epsilon, the decay factor
+        again = m / (ops.sqrt(ops.abs(kept[0])) + kept[1])
         if decay == 0.0:
             return again
-        return again + kept[1] * weights
+        return again + kept[2] * weights
 
     return scale, direction, for_norm
 

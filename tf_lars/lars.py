@@ -33,17 +33,20 @@ _Apply = _kernels.CompiledApply if _kernels is not _rules else _rules.PlainApply
 def _decayed(gradient, variable, decay, dtype):
     """`g + wd w` for step 2's norm, as a function that computes it.
 
-    Written `g - (-wd) w` (the same float values) from `g` and `w` taken
-    `_rules.apart`, so that no term of it is step 4's `g + wd w`. XLA then
-    computes it inside the norm's pass over `g` and `w` (and again in the
-    range check's branch, `_rules.norms`, when that runs) instead of writing
-    it to a buffer as large as the variable and reading it back (the
-    decayed rows of docs/guides/benchmarks.md and docs/guides/backends.md).
-    The negation is what TensorFlow needs (it has no barrier op); the
-    barrier keeps JAX's XLA from ever merging the two.
+    Written `g - (-wd) w` (the same float values) from `g`, `w` and `-wd`
+    taken `_rules.apart`, so that no term of it is step 4's `g + wd w`. XLA
+    then computes it inside the norm's pass over `g` and `w` (and again in
+    the range check's branch, `_rules.norms`, when that runs) instead of
+    writing it to a buffer as large as the variable and reading it back
+    (the decayed rows of docs/guides/benchmarks.md and
+    docs/guides/backends.md). The negation is what TensorFlow needs (it has
+    no barrier op); the barrier keeps JAX's XLA from ever merging the two.
+    `-wd` passes the barrier too: as a constant, JAX's XLA wrote its
+    broadcast out as large as `w` for the norm to read.
     """
-    gradient, variable = _rules.apart([gradient, variable])
-    negated = ops.convert_to_tensor(-decay, dtype)
+    gradient, variable, negated = _rules.apart(
+        [gradient, variable, ops.convert_to_tensor(-decay, dtype)]
+    )
     return lambda: gradient - negated * variable
 
 
