@@ -313,8 +313,9 @@ if BACKEND == "jax":
             np.testing.assert_allclose(a, expected, rtol=2e-5)
 
 
+@functools.cache
 def _hlo_traffic():
-    # A script of the source checkout, loaded from its path (as
+    # A script of the source checkout, loaded once from its path (as
     # tests/bench_test.py loads benchmarks/bench.py).
     import importlib.util
     import pathlib

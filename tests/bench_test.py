@@ -13,14 +13,19 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench.py"
-_SPEC = importlib.util.spec_from_file_location("bench", SCRIPT)
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
-_SPEC = importlib.util.spec_from_file_location(
-    "hlo_traffic", REPO / "benchmarks" / "hlo_traffic.py"
-)
-hlo_traffic = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(hlo_traffic)
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(
+        name, REPO / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script("bench")
+hlo_traffic = _load_script("hlo_traffic")
 
 
 def test_script_help_runs_from_a_checkout_without_tensorflow(tmp_path):
