@@ -12,6 +12,7 @@ Modes: an eager `apply`; `stateless_apply` under `jax.jit` (JAX);
 import contextlib
 import functools
 import inspect
+import re
 
 import keras
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 from keras import ops
 
 import tf_lars
+from tests import benchmark_scripts
 from tests import lamb_reference as ref
 from tests import lars_reference as lars_ref
 from tf_lars import _rules
@@ -313,22 +315,6 @@ if BACKEND == "jax":
             np.testing.assert_allclose(a, expected, rtol=2e-5)
 
 
-@functools.cache
-def _hlo_traffic():
-    # A script of the source checkout, loaded once from its path (as
-    # tests/bench_test.py loads benchmarks/bench.py).
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-    spec = importlib.util.spec_from_file_location(
-        "hlo_traffic", path / "hlo_traffic.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _compiled_step_hlo(optimizer, variables, grads):
     """XLA's optimized HLO of one step: `stateless_apply` under `jax.jit`
     (JAX), `apply` under `tf.function(jit_compile=True)` (TensorFlow)."""
@@ -373,7 +359,7 @@ if BACKEND in ("jax", "tensorflow"):
         # direction, no `g + wd w` (docs/guides/backends.md, "What the JAX step
         # costs"). Two variables of one shape, as in a model, where XLA would
         # share a broadcast between them.
-        hlo_traffic = _hlo_traffic()
+        hlo_traffic = benchmark_scripts.load("hlo_traffic")
         optimizer = make()
         variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
         grads = [ops.full((256, 64), 1e-3) for _ in variables]
@@ -681,3 +667,84 @@ if BACKEND == "tensorflow":
             got.append(run_apply(optimizer, GRADS)[0])
         for a, b in zip(*got, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+if BACKEND == "jax":
+
+    def test_jax_bench_fit_ratio_is_the_median_of_paired_rounds(monkeypatch, capsys):
+        # benchmarks/jax_bench.py's fit rows with known rates in place of
+        # the timed epochs: every model fits one epoch per round, in turn,
+        # and a row's ratio is the median of the rounds' ratios.
+        jax_bench = benchmark_scripts.load("jax_bench")
+        rates = {
+            "SGD(momentum)": [100.0, 200.0, 100.0],
+            "LARS": [90.0, 220.0, 95.0],  # 0.90, 1.10, 0.95
+            "Adam": [100.0, 50.0, 200.0],
+            "LAMB (wd 0.01)": [80.0, 45.0, 200.0],  # 0.80, 0.90, 1.00
+            "LAMB (wd 0)": [70.0, 50.0, 120.0],  # 0.70, 1.00, 0.60
+            "keras Lamb": [100.0, 40.0, 190.0],  # 1.00, 0.80, 0.95
+        }
+        pending = {name: list(values) for name, values in rates.items()}
+        order = []
+
+        def rate(model, x, y):
+            order.append(model)
+            return pending[model].pop(0)
+
+        monkeypatch.setattr(
+            jax_bench,
+            "_fit_optimizers",
+            lambda: {name: (lambda name=name: name) for name in rates},
+        )
+        monkeypatch.setattr(jax_bench, "_fit_model", lambda make, x, y: make())
+        monkeypatch.setattr(jax_bench, "_fit_rate", rate)
+        table = jax_bench.fit_rows(steps=1, rounds=3)
+        assert order == list(rates) * 3
+        expected = {
+            "LARS vs SGD(momentum)": (100.0, 95.0, [0.90, 1.10, 0.95]),
+            "LAMB (wd 0.01) vs Adam": (100.0, 80.0, [0.80, 0.90, 1.00]),
+            "LAMB (wd 0) vs Adam": (100.0, 70.0, [0.70, 1.00, 0.60]),
+            "keras Lamb vs Adam": (100.0, 100.0, [1.00, 0.80, 0.95]),
+        }
+        assert list(table) == list(expected)
+        for row, (base, ours, ratios) in expected.items():
+            assert table[row][:2] == (base, ours)
+            np.testing.assert_allclose(table[row][2], ratios, rtol=1e-12)
+        out = capsys.readouterr().out
+        for row, median, spread in [
+            ("LARS vs SGD(momentum)", "0.95", "0.90-1.10"),
+            ("LAMB (wd 0.01) vs Adam", "0.90", "0.80-1.00"),
+            ("LAMB (wd 0) vs Adam", "0.70", "0.60-1.00"),
+            ("keras Lamb vs Adam", "0.95", "0.80-1.00"),
+        ]:
+            assert re.search(
+                re.escape(row) + r"\s+\d+\s+\d+\s+" + median + r"\s+" + spread, out
+            ), (row, out)
+
+    @pytest.mark.parametrize(
+        "argv", [["--fit-rounds", "0"], ["--fit-steps", "0"], ["--repeats", "-1"]]
+    )
+    def test_jax_bench_refuses_counts_below_one(argv, capsys):
+        jax_bench = benchmark_scripts.load("jax_bench")
+        with pytest.raises(SystemExit) as stopped:
+            jax_bench.main(["--only", "fit", *argv])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert "--repeats, --fit-steps and --fit-rounds must be >= 1" in err
+        assert " ".join(argv) in err
+
+    def test_jax_bench_fit_model_trains_under_jit():
+        # The fit part's model and timed epoch, for real: LAMB under the JAX
+        # trainer's compiled step, a warm-up epoch and a timed one.
+        jax_bench = benchmark_scripts.load("jax_bench")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(512, 512)).astype("float32")
+        y = rng.normal(size=(512, 10)).astype("float32")
+        model = jax_bench._fit_model(
+            lambda: tf_lars.LAMB(1e-3, weight_decay=0.01), x, y
+        )
+        assert int(model.optimizer.iterations) == 2  # 512 samples, batch 256
+        assert jax_bench._fit_rate(model, x, y) > 0
+        assert int(model.optimizer.iterations) == 4
+        ratios = np.asarray(model.optimizer.trust_ratios)
+        assert np.all(np.isfinite(ratios)) and np.all(ratios > 0)

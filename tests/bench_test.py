@@ -1,31 +1,21 @@
 """The benchmark runs end to end (tiny sizes). It asserts output, never timings.
 
 `benchmarks/bench.py` is a script of the source checkout, not a module of
-the package: it is loaded from its path here.
+the package: `tests/benchmark_scripts.py` loads it from its path.
 """
 
-import importlib.util
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
+from tests import benchmark_scripts
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench.py"
-
-
-def _load_script(name):
-    spec = importlib.util.spec_from_file_location(
-        name, REPO / "benchmarks" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script("bench")
-hlo_traffic = _load_script("hlo_traffic")
+bench = benchmark_scripts.load("bench")
+hlo_traffic = benchmark_scripts.load("hlo_traffic")
 
 
 def test_script_help_runs_from_a_checkout_without_tensorflow(tmp_path):

@@ -6,7 +6,6 @@ the training itself (which `fit_once` / `execute` would start).
 """
 
 import ast
-import importlib.util
 import pathlib
 import re
 import shlex
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 import tf_lars
+from tests import benchmark_scripts
 from tf_lars.cli import main as main_module
 from tf_lars.cli import sweep, train
 from tf_lars.cli.config import load_config
@@ -24,9 +24,7 @@ from tf_lars.cli.main import main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BENCH = "benchmarks/bench.py"  # the step benchmarks: a script of the checkout
-_SPEC = importlib.util.spec_from_file_location("bench", REPO / BENCH)
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+bench = benchmark_scripts.load("bench")
 README = (REPO / "README.md").read_text()
 GUIDES = {
     path.name: path.read_text() for path in (REPO / "docs" / "guides").glob("*.md")
