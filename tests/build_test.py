@@ -90,3 +90,26 @@ def test_test_helpers_are_declared():
     assert helpers - declared == set(), (
         f"helpers missing from BUILD: {sorted(helpers - declared)}"
     )
+
+
+def test_benchmark_scripts_a_test_loads_are_its_data():
+    """A test that loads `benchmarks/<name>.py` declares it as data (Bazel's sandbox)."""
+    tests = {kw["main"]: kw for kind, kw in _rules() if kind == "py_test"}
+    checked = 0
+    for main, kw in tests.items():
+        tree = ast.parse((ROOT / main).read_text(encoding="utf-8"))
+        loaded = {
+            f"benchmarks/{node.args[0].value}.py"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "benchmark_scripts"
+        }
+        checked += len(loaded)
+        assert loaded - set(kw.get("data", [])) == set(), (
+            main,
+            sorted(loaded - set(kw.get("data", []))),
+        )
+    assert checked >= 4, checked
