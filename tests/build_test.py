@@ -93,7 +93,7 @@ def test_test_helpers_are_declared():
 
 
 def test_benchmark_scripts_a_test_loads_are_its_data():
-    """A test that loads `benchmarks/<name>.py` declares it as data (Bazel's sandbox)."""
+    """A test that loads `benchmarks/<name>.py` declares it as data (the sandbox)."""
     tests = {kw["main"]: kw for kind, kw in _rules() if kind == "py_test"}
     checked = 0
     for main, kw in tests.items():
