@@ -1,7 +1,7 @@
 """tf_lars on the JAX backend against Keras's and optax's optimizers.
 
     KERAS_BACKEND=jax python benchmarks/jax_bench.py [--repeats 15] [--fit-steps 40]
-        [--fit-rounds 9] [--only step|fit|traffic]
+        [--fit-rounds 9] [--fit-model mlp|resnet50] [--only step|fit|traffic]
 
 Step rows: one jitted optimizer step on ResNet-50's trainable shapes
 (float32; the run prints their count), timed interleaved in one process
@@ -21,9 +21,10 @@ row's baseline, in `benchmarks/bench.py`'s table:
 Keras optimizers run as the JAX trainer runs them: `stateless_apply` under
 `jax.jit`, state donated in the order it is returned (weights, then the
 optimizer's variables), so that each donated buffer is written in place.
-Fit rows: `model.fit` throughput (samples per second) of a small MLP, LARS
-vs SGD, LAMB with and without weight decay vs Adam and, for comparison,
-Keras `Lamb` vs Adam. Each model is compiled once; each round fits every
+Fit rows: `model.fit` throughput (samples per second) of a small MLP (or,
+with `--fit-model resnet50`, `benchmarks/bench.py`'s ResNet-50 at 64x64),
+LARS vs SGD, LAMB with and without weight decay vs Adam and, for
+comparison, Keras `Lamb` vs Adam. Each model is compiled once; each round fits every
 model one epoch in turn, and a row's ratio is the median of the rounds'
 ratios (contender over baseline in the same round), with their min-max.
 Traffic rows (`--only traffic`): the bytes each step row's compiled
@@ -221,26 +222,65 @@ def traffic_rows():
     )
 
 
-def _fit_model(make_optimizer, x, y):
-    """The MLP compiled with `make_optimizer()`, after one warm-up epoch."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((x.shape[1],)),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(10),
-        ]
+#: The fit part's models (`--fit-model`): name -> (batch size, description).
+FIT_MODELS = {
+    # Dense layers only: the optimizer's share of a step is large here.
+    "mlp": (256, "MLP 512-1024-1024-10, mean squared error, batch 256"),
+    # benchmarks/bench.py's TensorFlow fit model, so the backends compare
+    # like for like.
+    "resnet50": (
+        32,
+        "keras.applications.ResNet50(weights=None) at 64x64, 10 classes, batch 32",
+    ),
+}
+
+
+def _fit_data(kind, steps):
+    """`(x, y)`: `steps` batches of random data for the fit model `kind`."""
+    rng = np.random.default_rng(0)
+    size = FIT_MODELS[kind][0] * steps
+    if kind == "mlp":
+        x = rng.normal(size=(size, 512)).astype("float32")
+        return x, rng.normal(size=(size, 10)).astype("float32")
+    x = rng.normal(size=(size, 64, 64, 3)).astype("float32")
+    return x, rng.integers(0, 10, size=size)
+
+
+def _fit_network(kind):
+    """The uncompiled fit model `kind` and its loss."""
+    if kind == "mlp":
+        network = keras.Sequential(
+            [
+                keras.Input((512,)),
+                keras.layers.Dense(1024, activation="relu"),
+                keras.layers.Dense(1024, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        return network, "mse"
+    network = keras.applications.ResNet50(
+        weights=None,
+        input_shape=(64, 64, 3),
+        classes=10,
+        classifier_activation=None,
     )
-    model.compile(optimizer=make_optimizer(), loss="mse", jit_compile=True)
-    model.fit(x, y, batch_size=256, epochs=1, verbose=0)  # compile
+    return network, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _fit_model(make_optimizer, x, y, kind="mlp"):
+    """The fit model `kind` compiled with `make_optimizer()` (the JAX
+    trainer's jitted step), after one warm-up epoch."""
+    keras.utils.set_random_seed(0)
+    model, loss = _fit_network(kind)
+    model.compile(optimizer=make_optimizer(), loss=loss, jit_compile=True)
+    model.fit(x, y, batch_size=FIT_MODELS[kind][0], epochs=1, verbose=0)  # compile
     return model
 
 
-def _fit_rate(model, x, y):
+def _fit_rate(model, x, y, kind="mlp"):
     """Samples per second of one `model.fit` epoch."""
     start = time.perf_counter()
-    model.fit(x, y, batch_size=256, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=FIT_MODELS[kind][0], epochs=1, verbose=0)
     return len(x) / (time.perf_counter() - start)
 
 
@@ -266,8 +306,15 @@ def _fit_optimizers():
     }
 
 
-def fit_rows(steps, rounds=9):
-    """Prints the fit table; returns `{row: (baseline, contender, ratios)}`:
+def _rate(samples_per_second):
+    """A rate as the table prints it: one decimal below 100 samples/s."""
+    digits = 1 if samples_per_second < 100 else 0
+    return f"{samples_per_second:.{digits}f}"
+
+
+def fit_rows(steps, rounds=9, kind="mlp"):
+    """Prints the fit table of the model `kind` (a key of `FIT_MODELS`);
+    returns `{row: (baseline, contender, ratios)}`:
     the baseline's and the contender's median samples per second, and the
     contender's rate over the baseline's in each round.
 
@@ -276,17 +323,18 @@ def fit_rows(steps, rounds=9):
     median over rounds of the contender's rate over its baseline's in the
     same round (the two epochs seconds apart), with the rounds' min-max.
     """
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(256 * steps, 512)).astype("float32")
-    y = rng.normal(size=(256 * steps, 10)).astype("float32")
-    models = {name: _fit_model(make, x, y) for name, make in _fit_optimizers().items()}
+    x, y = _fit_data(kind, steps)
+    models = {}
+    for name, make in _fit_optimizers().items():
+        print(f"  compiling the fit model with {name}", file=sys.stderr)
+        models[name] = _fit_model(make, x, y, kind)
     rates = {name: [] for name in models}
     for done in range(rounds):
         for name, model in models.items():
-            rates[name].append(_fit_rate(model, x, y))
+            rates[name].append(_fit_rate(model, x, y, kind))
         print(f"  fit round {done + 1}/{rounds}", file=sys.stderr)
     print(
-        f"\nmodel.fit throughput, MLP 512-1024-1024-10, batch 256, jit, "
+        f"\nmodel.fit throughput, {FIT_MODELS[kind][1]}, jit, "
         f"{steps} steps an epoch, {rounds} rounds"
     )
     print(
@@ -305,7 +353,7 @@ def fit_rows(steps, rounds=9):
         )
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
         print(
-            f"{row:<24}{base:>20.0f}{ours:>20.0f}"
+            f"{row:<24}{_rate(base):>20}{_rate(ours):>20}"
             f"{statistics.median(ratios):>8.2f}{spread:>14}"
         )
         table[row] = (base, ours, ratios)
@@ -323,6 +371,13 @@ def main(argv=None):
         type=int,
         default=9,
         help="fit rounds: each fits every model one epoch, in turn",
+    )
+    parser.add_argument(
+        "--fit-model",
+        choices=list(FIT_MODELS),
+        default="mlp",
+        help="the fit rows' model: the MLP (default) or ResNet-50 at 64x64, "
+        "benchmarks/bench.py's fit model",
     )
     parser.add_argument(
         "--only",
@@ -351,7 +406,7 @@ def main(argv=None):
     if args.only in (None, "traffic"):
         traffic_rows()
     if args.only in (None, "fit"):
-        fit_rows(args.fit_steps, args.fit_rounds)
+        fit_rows(args.fit_steps, args.fit_rounds, args.fit_model)
 
 
 if __name__ == "__main__":

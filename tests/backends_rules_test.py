@@ -686,9 +686,11 @@ if BACKEND == "jax":
         }
         pending = {name: list(values) for name, values in rates.items()}
         order = []
+        kinds = []
 
-        def rate(model, x, y):
+        def rate(model, x, y, kind):
             order.append(model)
+            kinds.append(kind)
             return pending[model].pop(0)
 
         monkeypatch.setattr(
@@ -696,10 +698,11 @@ if BACKEND == "jax":
             "_fit_optimizers",
             lambda: {name: (lambda name=name: name) for name in rates},
         )
-        monkeypatch.setattr(jax_bench, "_fit_model", lambda make, x, y: make())
+        monkeypatch.setattr(jax_bench, "_fit_model", lambda make, x, y, kind: make())
         monkeypatch.setattr(jax_bench, "_fit_rate", rate)
         table = jax_bench.fit_rows(steps=1, rounds=3)
         assert order == list(rates) * 3
+        assert set(kinds) == {"mlp"}
         expected = {
             "LARS vs SGD(momentum)": (100.0, 95.0, [0.90, 1.10, 0.95]),
             "LAMB (wd 0.01) vs Adam": (100.0, 80.0, [0.80, 0.90, 1.00]),
@@ -711,15 +714,65 @@ if BACKEND == "jax":
             assert table[row][:2] == (base, ours)
             np.testing.assert_allclose(table[row][2], ratios, rtol=1e-12)
         out = capsys.readouterr().out
-        for row, median, spread in [
-            ("LARS vs SGD(momentum)", "0.95", "0.90-1.10"),
-            ("LAMB (wd 0.01) vs Adam", "0.90", "0.80-1.00"),
-            ("LAMB (wd 0) vs Adam", "0.70", "0.60-1.00"),
-            ("keras Lamb vs Adam", "0.95", "0.80-1.00"),
+        # Rates print with one decimal below 100 samples/s.
+        for printed in [
+            ("LARS vs SGD(momentum)", "100", "95.0", "0.95", "0.90-1.10"),
+            ("LAMB (wd 0.01) vs Adam", "100", "80.0", "0.90", "0.80-1.00"),
+            ("LAMB (wd 0) vs Adam", "100", "70.0", "0.70", "0.60-1.00"),
+            ("keras Lamb vs Adam", "100", "100", "0.95", "0.80-1.00"),
         ]:
-            assert re.search(
-                re.escape(row) + r"\s+\d+\s+\d+\s+" + median + r"\s+" + spread, out
-            ), (row, out)
+            pattern = r"\s+".join(re.escape(field) for field in printed)
+            assert re.search(pattern + r"\n", out), (printed, out)
+
+    def test_jax_bench_fit_rows_on_resnet50(monkeypatch, capsys):
+        # `--fit-model resnet50`: benchmarks/bench.py's fit model and data
+        # reach every compiled model and every timed epoch.
+        jax_bench = benchmark_scripts.load("jax_bench")
+        seen = []
+
+        def model(make, x, y, kind):
+            seen.append(("compile", make(), x.shape, y.dtype.kind, kind))
+            return make()
+
+        def rate(model, x, y, kind):
+            seen.append(("fit", model, len(x), kind))
+            return 10.0
+
+        monkeypatch.setattr(jax_bench, "_fit_model", model)
+        monkeypatch.setattr(jax_bench, "_fit_rate", rate)
+        monkeypatch.setattr(
+            jax_bench,
+            "_fit_optimizers",
+            lambda: {"SGD(momentum)": lambda: "SGD(momentum)", "LARS": lambda: "LARS"},
+        )
+        monkeypatch.setattr(
+            jax_bench, "FIT_PAIRS", {"LARS vs SGD(momentum)": ("SGD(momentum)", "LARS")}
+        )
+        jax_bench.fit_rows(steps=2, rounds=1, kind="resnet50")
+        assert seen == [
+            ("compile", "SGD(momentum)", (64, 64, 64, 3), "i", "resnet50"),
+            ("compile", "LARS", (64, 64, 64, 3), "i", "resnet50"),
+            ("fit", "SGD(momentum)", 64, "resnet50"),
+            ("fit", "LARS", 64, "resnet50"),
+        ]
+        out = capsys.readouterr().out
+        assert "ResNet50(weights=None) at 64x64, 10 classes, batch 32" in out
+        assert re.search(
+            r"LARS vs SGD\(momentum\)\s+10\.0\s+10\.0\s+1\.00\s+1\.00-1\.00", out
+        )
+
+    def test_jax_bench_resnet50_fit_network_is_bench_s_model():
+        jax_bench = benchmark_scripts.load("jax_bench")
+        x, y = jax_bench._fit_data("resnet50", steps=1)
+        assert x.shape == (32, 64, 64, 3) and x.dtype == np.float32
+        assert y.shape == (32,) and set(np.unique(y)) <= set(range(10))
+        network, loss = jax_bench._fit_network("resnet50")
+        assert network.name == "resnet50"
+        assert tuple(network.input_shape) == (None, 64, 64, 3)
+        assert tuple(network.output_shape) == (None, 10)
+        assert network.layers[-1].activation is keras.activations.linear
+        assert isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+        assert loss.get_config()["from_logits"] is True
 
     @pytest.mark.parametrize(
         "argv", [["--fit-rounds", "0"], ["--fit-steps", "0"], ["--repeats", "-1"]]
