@@ -229,3 +229,43 @@ def test_schedule_numbers_beyond_float32_are_refused(argument):
 def test_linear_scaling_base_beyond_float32_is_refused():
     with pytest.raises(ValueError, match=r"Received: base_learning_rate=1e\+300"):
         linear_scaled_learning_rate(1e300, 256)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (
+            dict(warmup_steps=2**63, decay_steps=10),
+            "`warmup_steps` must be at most 9223372036854775807 (2**63 - 1, the "
+            "largest value of the int64 step counter). Received: "
+            "warmup_steps=9223372036854775808",
+        ),
+        (
+            dict(warmup_steps=2, decay_steps=2**63),
+            "`decay_steps` must be at most 9223372036854775807 (2**63 - 1, the "
+            "largest value of the int64 step counter). Received: "
+            "decay_steps=9223372036854775808",
+        ),
+        (
+            dict(warmup_steps=2**62, decay_steps=2**62),
+            "`warmup_steps + decay_steps` must be at most 9223372036854775807 "
+            "(2**63 - 1, the largest value of the int64 step counter). Received: "
+            "warmup_steps=4611686018427387904, decay_steps=4611686018427387904",
+        ),
+    ],
+)
+def test_step_counts_beyond_the_int64_step_counter_are_refused(arguments, message):
+    with pytest.raises(ValueError) as error:
+        WarmupPolynomialDecay(1.0, **arguments)
+    assert str(error.value) == message
+
+
+def test_largest_step_counts_run_a_step():
+    schedule = WarmupPolynomialDecay(1.0, warmup_steps=2**63 - 2, decay_steps=1)
+    variable = keras.Variable([1.0])
+    optimizer = keras.optimizers.SGD(schedule)
+    optimizer.apply([tf.constant([1.0])], [variable])
+    # Step 0 of the warm-up: learning rate 0, the variable unchanged.
+    np.testing.assert_array_equal(variable.numpy(), [1.0])
+    # Half-way through the warm-up (float32 holds these powers of 2 exactly).
+    assert float(schedule(2**62)) == 0.5

@@ -20,6 +20,7 @@ from tf_lars._wrapper import (
     all_finite,
     gradient_as_tensor,
 )
+from tf_lars.schedules import check_step_count
 
 # Before TensorFlow is imported: on another backend, one clear error.
 _require_tensorflow_backend("tf_lars.AGN")
@@ -169,7 +170,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             and the commits (e.g. `tf_lars.LARS`, a Keras optimizer, or a
             loss-scale optimizer). Base-optimizer options such as clipping
             belong here.
-        communication_period: int >= 1. Local steps between two commits.
+        communication_period: int >= 1. Local steps between two commits; at
+            most `2**63 - 1`, the largest count of the int64 step counter.
             Defaults to `10`.
         name: str. The optimizer's name. Defaults to `None` (`"agn"`).
         **kwargs: Keras base optimizer arguments are not supported on the
@@ -240,6 +242,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 "`communication_period` must be an int >= 1. "
                 f"Received: communication_period={communication_period!r}"
             )
+        check_step_count("communication_period", int(communication_period))
         self.inner_optimizer = inner_optimizer
         self.communication_period = int(communication_period)
         # The strategy in scope at creation, as Keras records it for itself.

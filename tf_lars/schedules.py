@@ -15,6 +15,21 @@ from tf_lars._validation import check_int, check_positive, is_real
 
 __all__ = ["WarmupPolynomialDecay", "linear_scaled_learning_rate"]
 
+#: The largest step count a schedule can reach: `optimizer.iterations` is an
+#: int64 variable, and a step count that does not fit in it fails at the
+#: first step instead of at construction.
+MAX_STEPS = 2**63 - 1
+
+
+def check_step_count(name, value):
+    """Refuses a step count (already an int) that int64 does not hold."""
+    if value > MAX_STEPS:
+        raise ValueError(
+            f"`{name}` must be at most {MAX_STEPS} (2**63 - 1, the largest "
+            f"value of the int64 step counter). Received: {name}={value!r}"
+        )
+    return value
+
 
 def linear_scaled_learning_rate(base_learning_rate, batch_size, base_batch_size=256):
     """Scales a learning rate linearly with the batch size.
@@ -76,12 +91,16 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     The computation is a handful of element-wise ops in float32 with no Python
     branch on the step, so it runs inside `tf.function(jit_compile=True)` and
-    `model.fit`'s XLA train step.
+    `model.fit`'s XLA train step; step counts above `2**24` are rounded to
+    float32's 24 significant bits before the formula is applied.
+    `warmup_steps + decay_steps` may not exceed `2**63 - 1`, the largest value
+    of the int64 step counter.
 
     Args:
         peak_learning_rate: float. The learning rate at the end of warm-up;
             finite and > 0.
-        warmup_steps: int. Number of optimizer steps of linear warm-up; >= 0.
+        warmup_steps: int. Number of optimizer steps of linear warm-up; >= 0;
+            `warmup_steps + decay_steps` <= `2**63 - 1`.
         decay_steps: int. Number of optimizer steps of polynomial decay after
             warm-up; >= 1.
         end_learning_rate: float. Learning rate after `warmup_steps +
@@ -121,8 +140,16 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
     ):
         super().__init__()
         check_positive("peak_learning_rate", peak_learning_rate)
-        check_int("warmup_steps", warmup_steps, 0)
-        check_int("decay_steps", decay_steps, 1)
+        check_step_count("warmup_steps", check_int("warmup_steps", warmup_steps, 0))
+        check_step_count("decay_steps", check_int("decay_steps", decay_steps, 1))
+        if int(warmup_steps) + int(decay_steps) > MAX_STEPS:
+            # The last step of the decay, W + D, must be a reachable count.
+            raise ValueError(
+                f"`warmup_steps + decay_steps` must be at most {MAX_STEPS} "
+                "(2**63 - 1, the largest value of the int64 step counter). "
+                f"Received: warmup_steps={warmup_steps!r}, "
+                f"decay_steps={decay_steps!r}"
+            )
         if not is_real(end_learning_rate) or not (
             math.isfinite(end_learning_rate)
             and 0 <= end_learning_rate <= peak_learning_rate

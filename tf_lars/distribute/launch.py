@@ -26,6 +26,7 @@ import ctypes.util
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -117,6 +118,9 @@ class Task:
         self.echo = False
         self._log_offset = 0
         self._tee = None
+        # The process group (= session) id of the latest run, while it may
+        # have members; each task runs in a session of its own.
+        self._group = None
 
     @property
     def label(self):
@@ -127,6 +131,8 @@ class Task:
         return (self.config.task_type, self.config.task_index)
 
     def start(self, echo=False, job_restarts=0):
+        # What the previous run left behind in its group goes first.
+        self.signal(signal.SIGKILL)
         env = dict(self.environ)
         env["TF_CONFIG"] = self.config.to_json()
         env[RESTART_ENV] = str(job_restarts)
@@ -147,6 +153,7 @@ class Task:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self._group = self.process.pid
         if echo:
             self._tee = threading.Thread(
                 target=logs.echo_task_output,
@@ -163,10 +170,24 @@ class Task:
         return None if self.process is None else self.process.poll()
 
     def signal(self, signum):
-        if self.process is None or self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signum)
+        """Signals the task's whole process group (its session).
+
+        Also after the task's main process exited: the children it started
+        are still in the group and must not outlive the launcher.
+
+        Returns:
+            Whether the group may still have members.
+        """
+        if self._group is None:
+            return False
+        try:
+            os.killpg(self._group, signum)
+        except ProcessLookupError:
+            # The group is empty: forget its id before the kernel reuses it.
+            self._group = None
+        except PermissionError:
+            pass
+        return self._group is not None
 
     def finish_echo(self, timeout=5.0):
         if self._tee is not None:
@@ -246,12 +267,14 @@ def _parse_task_list(text, cluster):
     for item in text.split(","):
         item = item.strip()
         task_type, _, index = item.partition(":")
-        if index and not index.isdigit():
+        if index and not (index.isascii() and index.isdigit()):
             raise tf_config_lib.TFConfigError(
                 f"`--tasks` names {item!r}: the index after ':' must be a "
                 "non-negative int, e.g. 'worker:0'."
             )
-        index = int(index) if index else 0
+        digits = index.lstrip("0") or "0"
+        # No cluster has 10**18 tasks, and int() refuses over 4,300 digits.
+        index = int(digits) if len(digits) <= 18 else -1
         if task_type not in cluster or not 0 <= index < len(cluster[task_type]):
             raise tf_config_lib.TFConfigError(
                 f"`--tasks` names {item!r}, which is not a task of the cluster."
@@ -288,6 +311,18 @@ def _non_negative_float(text):
         )
     return value
 
+
+def _positive_float(text):
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number > 0. Received: {text!r}"
+        )
+    return value
+
+
+#: Exit status when `--timeout` ends the job (the status of coreutils' timeout).
+EXIT_TIMEOUT = 124
 
 #: Local tasks the launcher starts per CPU at most (`max_local_tasks`).
 TASKS_PER_CPU = 4
@@ -349,6 +384,8 @@ and run the training program on every task.
 Each task's full output is in <log-dir>/<type>-<index>.log; the terminal
 shows the program's own lines, with TensorFlow's logging reduced to a note.
 Each task gets TF_LARS_RESTART=<whole-job restarts so far> (0 at first).
+With --timeout SECONDS, a job still running after that long (restarts
+included) has every task stopped and exits with status 124.
 
 One launcher starts at most 4 tasks per CPU it may use (chief and ps
 included; with --cluster, the tasks --tasks names). Usage errors (bad flags,
@@ -445,6 +482,15 @@ _OPTIONS = (
             help="seconds before a restart (default 1)",
         ),
     ),
+    (
+        ("--timeout",),
+        dict(
+            type=_positive_float,
+            metavar="SECONDS",
+            help="stop every task and exit with status 124 when the job, "
+            "restarts included, runs longer than this (default: no limit)",
+        ),
+    ),
     (("--python",), dict(default=sys.executable, help="Python interpreter")),
 )
 
@@ -497,17 +543,60 @@ def _usage_error(message):
     return 2
 
 
+#: The largest `--cluster @file` read: a cluster of thousands of tasks is far
+#: smaller, and `@/dev/zero` must not read until memory runs out.
+MAX_CLUSTER_FILE_BYTES = 1 << 20
+
+
 def _read_cluster(text, mode):
     if text.startswith("@"):
-        with open(text[1:]) as handle:
-            text = handle.read()
+        path = text[1:]
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CLUSTER_FILE_BYTES + 1)
+        if len(data) > MAX_CLUSTER_FILE_BYTES:
+            raise tf_config_lib.TFConfigError(
+                f"`--cluster @{path}` is larger than {MAX_CLUSTER_FILE_BYTES} "
+                "bytes; a cluster file is a small JSON object."
+            )
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise tf_config_lib.TFConfigError(
+                f"`--cluster @{path}` is not UTF-8 text (a JSON file was expected)."
+            ) from None
     try:
-        cluster = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise tf_config_lib.TFConfigError(
-            f"`--cluster` is not valid JSON ({error})."
-        ) from None
+        cluster = tf_config_lib.load_json(text)
+    except tf_config_lib.TFConfigError as error:
+        raise tf_config_lib.TFConfigError(f"`--cluster` is {error}.") from None
     return tf_config_lib.validate_cluster(cluster, mode=mode)
+
+
+def _path_error(args):
+    """The one-line usage error for `--python` or `--log-dir`, or None."""
+    if not args.python or shutil.which(args.python) is None:
+        return (
+            "`--python` must be an executable Python interpreter. "
+            f"Received: --python {args.python!r}"
+        )
+    if (
+        args.log_dir
+        and os.path.exists(args.log_dir)
+        and not os.path.isdir(args.log_dir)
+    ):
+        return (
+            "`--log-dir` must be a directory (it is created if missing). "
+            f"Received: --log-dir {args.log_dir!r}"
+        )
+    return None
+
+
+def _check_host(host):
+    try:
+        tf_config_lib.split_address(f"{host}:1")
+    except tf_config_lib.TFConfigError:
+        raise tf_config_lib.TFConfigError(
+            f"`--host` must be a host name or IP address. Received: --host {host!r}"
+        ) from None
 
 
 class _UsageError(Exception):
@@ -519,10 +608,12 @@ def _check_args(args, program):
     command = _program_command(program, args.python)
     if command is None:
         raise _UsageError(_PROGRAM_HELP)
-    message = _mode_error(args)
+    message = _mode_error(args) or _path_error(args)
     if message:
         raise _UsageError(message)
     try:
+        if not args.cluster:
+            _check_host(args.host)
         cluster = _read_cluster(args.cluster, args.mode) if args.cluster else None
         if cluster is None:
             count = args.workers + (0 if args.mode == "sync" else 1 + (args.ps or 1))
@@ -591,11 +682,14 @@ def main(argv=None):
     except (tf_config_lib.TFConfigError, OSError) as error:
         return _usage_error(error)
 
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_lars_launch_")
-    os.makedirs(log_dir, exist_ok=True)
     environ = logs.task_environment()
-    launch = _Launch(args, cluster, generated, network, command, log_dir, environ)
-    launch.add_tasks(wanted)
+    try:
+        log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_lars_launch_")
+        os.makedirs(log_dir, exist_ok=True)
+        launch = _Launch(args, cluster, generated, network, command, log_dir, environ)
+        launch.add_tasks(wanted)
+    except OSError as error:
+        return _usage_error(f"`--log-dir`: {error}")
 
     def on_signal(signum, frame):
         del frame
@@ -627,6 +721,7 @@ class _Launch:
         self.tasks = []
         self.job_restarts = 0
         self.stop_signal = None
+        self.deadline = None
         self.echoed = None
         self.state_path = os.path.join(log_dir, "cluster.json")
 
@@ -681,11 +776,20 @@ class _Launch:
             )
         self.write_state()
 
-    def _stopped_by_signal(self):
-        if self.stop_signal is None:
+    def _stop_status(self):
+        """The exit status when a signal or `--timeout` ends the job, or None."""
+        if self.stop_signal is not None:
+            _log(f"got {signal.Signals(self.stop_signal).name}; stopping all tasks")
+            return 128 + self.stop_signal
+        if self.deadline is None or time.monotonic() < self.deadline:
             return None
-        _log(f"got {signal.Signals(self.stop_signal).name}; stopping all tasks")
-        return 128 + self.stop_signal
+        running = [t.label for t in self.tasks if t.poll() is None]
+        _log(
+            f"--timeout {self.args.timeout:g}s reached with "
+            f"{', '.join(running) or 'no task'} still running; stopping all "
+            f"tasks, exit status {EXIT_TIMEOUT}"
+        )
+        return EXIT_TIMEOUT
 
     def _report_error(self, task, always):
         """One line with a non-echoed task's last error message."""
@@ -699,6 +803,8 @@ class _Launch:
 
     def run(self):
         _log(f"network: {self.network}; cluster: {json.dumps(self.cluster)}")
+        if self.args.timeout is not None:
+            self.deadline = time.monotonic() + self.args.timeout
         self._start_all()
         if self.mode == "sync":
             return self._run_sync()
@@ -710,7 +816,7 @@ class _Launch:
         chief = self.echoed
         pending_restarts = {}
         while True:
-            code = self._stopped_by_signal()
+            code = self._stop_status()
             if code is not None:
                 return code
             if chief is not None and chief.poll() is not None:
@@ -761,7 +867,7 @@ class _Launch:
     def _run_sync(self):
         allowed = self.args.restart_job or 0
         while True:
-            code = self._stopped_by_signal()
+            code = self._stop_status()
             if code is not None:
                 return code
             failed = self._failed_task()
@@ -771,6 +877,7 @@ class _Launch:
                         task.finish_echo()
                     _log(f"all {len(self.tasks)} workers exited with status 0")
                     return 0
+                self._report_early_exits()
                 time.sleep(0.1)
                 continue
             code = failed.poll()
@@ -808,6 +915,18 @@ class _Launch:
             if code is not None:
                 return code
 
+    def _report_early_exits(self):
+        """One line per worker done while others still run (they may hang)."""
+        for task in self.tasks:
+            if task.poll() == 0 and not task.reported_exit:
+                task.reported_exit = True
+                limit = self.args.timeout
+                until = f"--timeout {limit:g}s" if limit else "no --timeout"
+                _log(
+                    f"{task.label} exited with status 0; waiting for the other "
+                    f"workers ({until})"
+                )
+
     def _restart_job(self):
         """Waits `--restart-delay`, then starts every task again.
 
@@ -816,7 +935,7 @@ class _Launch:
         """
         deadline = time.monotonic() + self.args.restart_delay
         while time.monotonic() < deadline:
-            code = self._stopped_by_signal()
+            code = self._stop_status()
             if code is not None:
                 return code
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
@@ -863,6 +982,10 @@ def stop_all(tasks, grace=5.0):
         if task.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 task.process.wait(5.0)
+    # Signal 0 finds each emptied group gone, so its id is forgotten.
+    deadline = time.monotonic() + 1.0
+    while any(task.signal(0) for task in tasks) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import warnings
 
 import keras
@@ -238,6 +239,104 @@ def _join(strategy, started):
 
 # ---------------------------------------------------------- backup and restore
 _BACKUP_NAME = re.compile(r"(epoch|partial)-(\d+)\.weights\.h5")
+# The root attribute of a backup file that says which training wrote it.
+_RECORD_ATTRIBUTE = "tf_lars_backup"
+# What a worker that is not the chief receives when the chief refused a backup.
+_REFUSED = -1
+
+
+def _without_names(value):
+    """`value` without the "name" keys (auto-numbered: "sgd_1" in a new process)."""
+    if isinstance(value, dict):
+        return {k: _without_names(v) for k, v in value.items() if k != "name"}
+    if isinstance(value, list | tuple):
+        return [_without_names(v) for v in value]
+    return value
+
+
+def _auto_number_free(name):
+    # "sequential_1_dense_1_kernel_momentum" and "sequential_dense_kernel_momentum"
+    # are one slot: layers and models are numbered in creation order.
+    return re.sub(r"_\d+(?=_|$)", "", name)
+
+
+def _optimizer_record(optimizer):
+    """What a backup must match: class, config and variables of `optimizer`."""
+    if optimizer is None:
+        return {"class": None, "config": None, "variables": []}
+    try:
+        config = keras.saving.serialize_keras_object(optimizer)["config"]
+        config = json.loads(json.dumps(_without_names(config)))
+    except (TypeError, ValueError, KeyError, AttributeError, NotImplementedError):
+        config = None  # no JSON config: compared by class and variables only
+    variables = [
+        [_auto_number_free(v.name), list(v.shape), str(v.dtype)]
+        for v in optimizer.variables
+    ]
+    return {
+        "class": keras.saving.get_registered_name(type(optimizer)),
+        "config": config,
+        "variables": variables,
+    }
+
+
+def _flat(config, prefix=""):
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat = {}
+    for key, value in config.items():
+        flat.update(_flat(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in flat.items()}
+
+
+def _record_difference(saved, current):
+    """What differs between a backup's record and this training's, or None."""
+    if saved["class"] != current["class"]:
+        return (
+            f"the optimizer class is {saved['class']} in the backup and "
+            f"{current['class']} here"
+        )
+    if saved["config"] is not None and current["config"] is not None:
+        before, now = _flat(saved["config"]), _flat(current["config"])
+        keys = sorted(
+            k for k in before.keys() | now.keys() if before.get(k) != now.get(k)
+        )
+        if keys:
+            shown = "; ".join(
+                f"{k}={before.get(k)!r} in the backup, {now.get(k)!r} here"
+                for k in keys[:3]
+            )
+            more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+            return f"the optimizer config differs: {shown}{more}"
+    before, now = saved["variables"], current["variables"]
+    if len(before) != len(now):
+        return (
+            f"the optimizer has {len(before)} variables in the backup and "
+            f"{len(now)} here"
+        )
+    for index, (old, new) in enumerate(zip(before, now, strict=True)):
+        if old != new:
+            return (
+                f"optimizer variable {index} is {old[0]} {tuple(old[1])} {old[2]} "
+                f"in the backup and {new[0]} {tuple(new[1])} {new[2]} here"
+            )
+    return None
+
+
+def _write_record(path, record):
+    import h5py
+
+    with h5py.File(path, "r+") as handle:
+        handle.attrs[_RECORD_ATTRIBUTE] = json.dumps(record)
+
+
+def _read_record(path):
+    """The record of a backup file, or None (written by tf_lars 0.x)."""
+    import h5py
+
+    with tf.io.gfile.GFile(path, "rb") as raw, h5py.File(raw, "r") as handle:
+        text = handle.attrs.get(_RECORD_ATTRIBUTE)
+    return None if text is None else json.loads(text)
 
 
 def _as_bits(value):
@@ -380,6 +479,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.restored_epoch = 0
         self._writes = True
+        self._record = None
 
     def _files(self):
         """{"epoch"|"partial": [(number, path), ...] oldest first}."""
@@ -421,27 +521,70 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._writes = not cluster or _is_chief_task(
                 cluster, resolver.task_type, resolver.task_id
             )
-        epoch = 0
+        # Taken before a backup is loaded: loading replaces the learning rate.
+        self._record = _optimizer_record(model.optimizer)
+        epoch, refusal = 0, None
         if self._writes:
             files = self._files()
             for _, path in files["partial"]:
                 tf.io.gfile.remove(path)  # a write that was cut off
             if files["epoch"]:
                 epoch, path = files["epoch"][-1]
-                model.load_weights(path)
+                refusal = self._refusal(epoch, path)
+                if refusal is None:
+                    model.load_weights(path)
         if multi_worker:
             (epoch,) = _broadcast_from_first_replica(
-                strategy, [tf.constant(epoch, tf.int64)]
+                strategy, [tf.constant(_REFUSED if refusal else epoch, tf.int64)]
             )
             epoch = int(epoch)
-            if epoch:
+            if epoch == _REFUSED and refusal is None:
+                refusal = (
+                    f"BackupAndRestore: the chief refused the backup in "
+                    f"{self.backup_dir} (its error says what differs); this "
+                    "worker stops too."
+                )
+            if epoch > 0:
                 state = self._state()
                 received = _broadcast_from_first_replica(strategy, state)
                 for variable, value in zip(state, received, strict=True):
                     variable.assign(value)
+        if refusal:
+            self.restored_epoch = 0
+            _internals.start_fit_at_epoch(model, None)
+            raise ValueError(refusal)
         self.restored_epoch = epoch
         # Also when 0: a `fit` that raised never reached `on_train_end`.
         _internals.start_fit_at_epoch(model, epoch or None)
+
+    def _refusal(self, epoch, path):
+        """Why the backup `epoch`, `path` must not be resumed from, or None."""
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and epoch > epochs:
+            what = f"it is of epoch {epoch}, after this fit's last (epochs={epochs})"
+        else:
+            saved = _read_record(path)
+            what = saved and _record_difference(saved["optimizer"], self._record)
+        if not what:
+            return None
+        return (
+            f"BackupAndRestore: the backup {path} does not match this training: "
+            f"{what}. It was not loaded and is kept; delete it (or pass another "
+            "`backup_dir`) to start from the beginning."
+        )
+
+    def _save(self, partial, epochs_done):
+        record = {"format": 1, "epoch": epochs_done, "optimizer": self._record}
+        if "://" not in partial:
+            self.model.save_weights(partial, overwrite=True)
+            _write_record(partial, record)
+            return
+        # h5py writes local files only; Keras copies remote ones the same way.
+        with tempfile.TemporaryDirectory() as local:
+            path = os.path.join(local, os.path.basename(partial))
+            self.model.save_weights(path)
+            _write_record(path, record)
+            tf.io.gfile.copy(path, partial, overwrite=True)
 
     def on_epoch_end(self, epoch, logs=None):
         if not self._writes:
@@ -449,7 +592,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         tf.io.gfile.makedirs(self.backup_dir)
         partial = os.path.join(self.backup_dir, f"partial-{epoch + 1}.weights.h5")
         final = os.path.join(self.backup_dir, f"epoch-{epoch + 1}.weights.h5")
-        self.model.save_weights(partial, overwrite=True)
+        self._save(partial, epoch + 1)
         # Killed at any point, the chief leaves the previous backup or this
         # one complete, never a mix.
         tf.io.gfile.rename(partial, final, overwrite=True)

@@ -20,12 +20,16 @@ import dataclasses
 import ipaddress
 import json
 import os
+import socket
 
 TASK_TYPES = ("chief", "worker", "ps")
 """Task types of a parameter-server cluster, in launch order of importance."""
 
 _LOCAL_HOSTS = ("localhost", "ip6-localhost")
 _LOOPBACK = "<loopback>"
+# No valid TF_CONFIG number (a task index, an object key) is longer; int()
+# refuses more than 4,300 digits with an error of its own.
+_MAX_INT_DIGITS = 100
 
 
 class TFConfigError(ValueError):
@@ -84,6 +88,30 @@ class TFConfig:
         return parse_tf_config(other.to_json(), mode=self.mode)
 
 
+class _LongInteger(str):
+    """A JSON integer of more than `_MAX_INT_DIGITS` digits, kept as its text."""
+
+    def __repr__(self):
+        return f"<an integer of {len(self.lstrip('-'))} digits>"
+
+
+def _parse_int(text):
+    return int(text) if len(text) <= _MAX_INT_DIGITS else _LongInteger(text)
+
+
+def load_json(text):
+    """`json.loads` that keeps over-long integers as text (see `_LongInteger`).
+
+    Raises:
+        TFConfigError: `text` is not JSON, or nests deeper than Python recurses.
+    """
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except (TypeError, ValueError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise TFConfigError(f"not valid JSON ({reason})") from None
+
+
 def _short(text, limit=300):
     text = str(text)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -93,28 +121,35 @@ def split_address(address):
     """Splits `"host:port"` (IPv6 hosts in brackets) into `(host, port)`.
 
     Raises:
-        TFConfigError: if the address has no host or no port in 1..65535.
+        TFConfigError: if the address has no host or no port in 1..65535
+            (ASCII digits only: `int()` would also read "²" or "٢٢").
     """
-    if not isinstance(address, str) or not address:
+    shown = _short(repr(address))
+    if not isinstance(address, str) or isinstance(address, _LongInteger) or not address:
         raise TFConfigError(
             "Each cluster address must be a non-empty 'host:port' string. "
-            f"Received: {address!r}"
+            f"Received: {shown}"
         )
     if address.startswith("["):
         host, sep, rest = address[1:].partition("]")
         if not sep or not rest.startswith(":"):
-            raise TFConfigError(f"Address {address!r} must look like '[ipv6]:port'.")
+            raise TFConfigError(f"Address {shown} must look like '[ipv6]:port'.")
         port_text = rest[1:]
     else:
         host, sep, port_text = address.rpartition(":")
         if not sep:
             raise TFConfigError(
-                f"Address {address!r} must look like 'host:port' (no port given)."
+                f"Address {shown} must look like 'host:port' (no port given)."
             )
     if not host or any(c.isspace() for c in host):
-        raise TFConfigError(f"Address {address!r} has no valid host.")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise TFConfigError(f"Address {address!r} must end with a port in 1..65535.")
+        raise TFConfigError(f"Address {shown} has no valid host.")
+    if not (
+        port_text.isascii()
+        and port_text.isdigit()
+        and len(port_text) <= 5
+        and 1 <= int(port_text) <= 65535
+    ):
+        raise TFConfigError(f"Address {shown} must end with a port in 1..65535.")
     return host, int(port_text)
 
 
@@ -124,14 +159,31 @@ def is_local_address(address):
 
 
 def _socket_key(host, port):
-    # On one machine `localhost:2002` and `127.0.0.1:2002` are one socket:
-    # every loopback name counts as the same host (names are case-blind).
+    # TensorFlow's server listens on every interface of its machine ([::]:port)
+    # whatever host the address names, so on one machine two tasks with one
+    # port collide: every loopback address (127.0.0.0/8, ::1, localhost) and
+    # the unspecified ones (0.0.0.0, ::) name this machine. Other hosts are
+    # compared by name, case-blind (no DNS lookup here).
     host = host.lower()
+    return (
+        _LOOPBACK if host in _LOCAL_HOSTS or _names_this_machine(host) else host,
+        port,
+    )
+
+
+def _names_this_machine(host):
+    """Whether an IP literal is a loopback or unspecified address."""
     try:
-        loopback = host in _LOCAL_HOSTS or ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
-        loopback = False
-    return (_LOOPBACK if loopback else host, port)
+        try:
+            # The short IPv4 forms the resolver also reads ("127.1", "0").
+            address = ipaddress.ip_address(socket.inet_aton(host))
+        except OSError:
+            return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    address = mapped or address
+    return address.is_loopback or address.is_unspecified
 
 
 def _address_list(task_type, addresses):
@@ -272,11 +324,10 @@ def _read_json(text, environ):
                 "with `python -m tf_lars.distribute.launch`."
             )
     try:
-        config = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as error:
+        config = load_json(text)
+    except TFConfigError as error:
         raise TFConfigError(
-            f"TF_CONFIG is not valid JSON ({error}). Received: "
-            f"TF_CONFIG={_short(text)!r}"
+            f"TF_CONFIG is {error}. Received: TF_CONFIG={_short(text)!r}"
         ) from None
     if not isinstance(config, dict):
         raise TFConfigError(
@@ -297,6 +348,11 @@ def _task_of(task, cluster):
             f"Received: task={_short(task)!r}"
         )
     task_type = task["type"]
+    if not isinstance(task_type, str):
+        raise TFConfigError(
+            f"`task.type` must be a string, one of {sorted(cluster)}. "
+            f"Received: type={_short(repr(task_type))}"
+        )
     if task_type not in cluster:
         raise TFConfigError(
             f"TF_CONFIG names task type {task_type!r}, which does not exist in "

@@ -1,0 +1,421 @@
+"""Bad input and faults for `tf_lars.distribute`: step-count bounds of AGN,
+`TF_CONFIG` and launcher arguments that must be one line and status 2, the
+launcher's `--timeout` and process groups, and `BackupAndRestore` refusing a
+backup of another training."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_lars
+from tests.distribute_launch_helpers import REPO, launcher_env, run_launcher
+from tf_lars.cli.main import main as cli_main
+from tf_lars.distribute import BackupAndRestore
+from tf_lars.distribute.tf_config import TFConfigError, parse_tf_config
+
+INT64_MAX = 2**63 - 1
+
+
+# ------------------------------------------------------- AGN's step counter
+def test_agn_period_beyond_the_int64_step_counter_is_refused():
+    with pytest.raises(ValueError) as info:
+        tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=2**63)
+    assert str(info.value) == (
+        "`communication_period` must be at most 9223372036854775807 (2**63 - 1, "
+        "the largest value of the int64 step counter). Received: "
+        "communication_period=9223372036854775808"
+    )
+
+
+def test_agn_largest_period_takes_a_step_without_committing():
+    variable = keras.Variable([1.0])
+    optimizer = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=INT64_MAX)
+    optimizer.apply([tf.constant([1.0])], [variable])
+    np.testing.assert_allclose(variable.numpy(), [0.9])
+    assert int(optimizer.commits.numpy()) == 0
+
+
+# ------------------------------------------------------------------ TF_CONFIG
+def _tf_config(task=None, workers=("localhost:2222", "localhost:2223")):
+    return json.dumps(
+        {
+            "cluster": {"worker": list(workers)},
+            "task": {"type": "worker", "index": 0} if task is None else task,
+        }
+    )
+
+
+BAD_TF_CONFIGS = [
+    (
+        _tf_config(workers=["localhost:²", "localhost:2223"]),
+        "Address 'localhost:²' must end with a port in 1..65535.",
+    ),
+    (
+        _tf_config(workers=["localhost:" + "1" * 5000, "localhost:2223"]),
+        "must end with a port in 1..65535.",
+    ),
+    (
+        _tf_config({"type": ["worker"], "index": 0}),
+        "`task.type` must be a string, one of ['worker']. Received: type=['worker']",
+    ),
+    (
+        _tf_config({"type": "worker", "index": 0}).replace(
+            '"index": 0', '"index": ' + "9" * 4301
+        ),
+        "`task.index` must be an int in [0, 2) for task type 'worker'. "
+        "Received: index=<an integer of 4301 digits>",
+    ),
+    ('{"cluster": ' * 100000, "TF_CONFIG is not valid JSON (nested too deeply)"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD_TF_CONFIGS)
+def test_bad_tf_config_is_a_tf_config_error_naming_the_key(text, message):
+    with pytest.raises(TFConfigError) as info:
+        parse_tf_config(text, mode="sync")
+    assert message in str(info.value)
+    assert len(str(info.value)) < 1000
+
+
+@pytest.mark.parametrize("text, message", BAD_TF_CONFIGS)
+def test_bad_tf_config_is_one_line_on_the_command_line(
+    text, message, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("TF_CONFIG", text)
+    output = tmp_path / "out"
+    code = cli_main(
+        ["train", "--set", "distribute.strategy=multi_worker"]
+        + ["--set", f"output_dir={output}"]
+    )
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("tf-lars train: error: "), captured.err
+    assert message in captured.err
+    assert not output.exists()
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("0.0.0.0:2002", "localhost:2002"),
+        ("[::]:2002", "127.0.0.1:2002"),
+        ("127.0.0.2:2002", "localhost:2002"),
+        ("[::ffff:127.0.0.1]:2002", "[::1]:2002"),
+    ],
+)
+def test_addresses_of_this_machine_with_one_port_are_duplicates(first, second):
+    # TensorFlow's server listens on [::]:port whatever the host: one socket.
+    with pytest.raises(TFConfigError) as info:
+        parse_tf_config(_tf_config(workers=[first, second]), mode="sync")
+    assert str(info.value) == (
+        f"Address {second!r} is used by both worker:0 and worker:1."
+    )
+
+
+@pytest.mark.parametrize(
+    "workers",
+    [
+        ["10.0.0.1:2002", "10.0.0.2:2002"],
+        ["0.0.0.0:2002", "10.0.0.2:2002"],
+        ["localhost:2002", "localhost:2003"],
+    ],
+)
+def test_other_hosts_or_ports_are_not_duplicates(workers):
+    config = parse_tf_config(_tf_config(workers=workers), mode="sync")
+    assert config.cluster == {"worker": workers}
+
+
+# ------------------------------------------------------------------- launcher
+PROGRAM = """\
+import json, os, subprocess, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+out = sys.argv[1]
+if sys.argv[2] == "child":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(os.path.join(out, f"child-{index}"), "w") as handle:
+        handle.write(str(child.pid))
+elif index == 1:
+    with open(os.path.join(out, "hung"), "w") as handle:
+        handle.write(str(os.getpid()))
+    time.sleep(300)
+print(f"worker {index} done", flush=True)
+"""
+
+
+def _launch(args, tmp_path, *program_args, timeout=120):
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    return subprocess.run(
+        [sys.executable, "-m", "tf_lars.distribute.launch", *args, "--"]
+        + [str(program), str(tmp_path), *program_args],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
+
+
+def _running(pid):
+    """Whether `pid` is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _gone_soon(pid, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _running(pid)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--cluster", '{"worker": ["localhost:²"]}'],
+            "error: Address 'localhost:²' must end with a port in 1..65535.",
+        ),
+        (
+            ["--cluster", "@{tmp}/binary.json"],
+            "error: `--cluster @{tmp}/binary.json` is not UTF-8 text (a JSON file "
+            "was expected).",
+        ),
+        (
+            ["--cluster", '{"worker": ["localhost:2001", "localhost:2002"]}']
+            + ["--tasks", "worker:²"],
+            "error: `--tasks` names 'worker:²': the index after ':' must be a "
+            "non-negative int, e.g. 'worker:0'.",
+        ),
+        (
+            ["--log-dir", "{tmp}/a-file"],
+            "error: `--log-dir` must be a directory (it is created if missing). "
+            "Received: --log-dir '{tmp}/a-file'",
+        ),
+        (
+            ["--python", "/nonexistent"],
+            "error: `--python` must be an executable Python interpreter. "
+            "Received: --python '/nonexistent'",
+        ),
+        (
+            ["--host", ""],
+            "error: `--host` must be a host name or IP address. Received: --host ''",
+        ),
+        (
+            ["--timeout", "0"],
+            "error: argument --timeout: must be a finite number > 0. Received: '0'",
+        ),
+    ],
+)
+def test_launcher_bad_input_is_one_line_and_status_2(tmp_path, args, message):
+    (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
+    (tmp_path / "a-file").write_text("not a directory")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = _launch(["--mode", "sync", "--network", "host", *args], tmp_path, "x")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        message.replace("{tmp}", str(tmp_path))
+    ]
+    assert result.stdout == ""
+
+
+def test_a_cluster_file_without_end_is_refused_after_a_mebibyte(tmp_path):
+    result = _launch(["--mode", "sync", "--cluster", "@/dev/zero"], tmp_path, "x")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: `--cluster @/dev/zero` is larger than 1048576 bytes; a cluster "
+        "file is a small JSON object."
+    ]
+
+
+@pytest.mark.slow
+def test_timeout_ends_a_job_whose_worker_hangs_after_another_finished(tmp_path):
+    log_dir = tmp_path / "logs"
+    result = _launch(
+        ["--mode", "sync", "--workers", "2", "--network", "host"]
+        + ["--log-dir", str(log_dir), "--timeout", "8"],
+        tmp_path,
+        "hang",
+    )
+    assert result.returncode == 124, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "worker 0 done" in lines
+    assert (
+        "[launch] worker 0 exited with status 0; waiting for the other workers "
+        "(--timeout 8s)"
+    ) in lines
+    assert lines[-1] == (
+        "[launch] --timeout 8s reached with worker 1 still running; stopping all "
+        "tasks, exit status 124"
+    )
+    hung = int((tmp_path / "hung").read_text())
+    assert _gone_soon(hung)
+
+
+@pytest.mark.slow
+def test_children_of_a_finished_task_do_not_outlive_the_launcher(tmp_path):
+    result = _launch(
+        ["--mode", "sync", "--workers", "2", "--network", "host"]
+        + ["--log-dir", str(tmp_path / "logs")],
+        tmp_path,
+        "child",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[launch] all 2 workers exited with status 0" in result.stdout
+    for index in (0, 1):
+        child = int((tmp_path / f"child-{index}").read_text())
+        assert _gone_soon(child), f"worker {index}'s child {child} still runs"
+
+
+# ----------------------------------------------------------- BackupAndRestore
+class _StopAfter(keras.callbacks.Callback):
+    def __init__(self, epochs):
+        super().__init__()
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epochs:
+            raise RuntimeError("preempted")
+
+
+def _fit(backup_dir, optimizer, epochs, stop=None, layers=1):
+    keras.utils.set_random_seed(1)
+    x = np.random.RandomState(0).randn(32, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential(
+        [keras.Input((4,))]
+        + [keras.layers.Dense(4) for _ in range(layers - 1)]
+        + [keras.layers.Dense(1)]
+    )
+    model.compile(optimizer, "mse")
+    backup = BackupAndRestore(str(backup_dir))
+    callbacks = [backup] + ([_StopAfter(stop)] if stop else [])
+    history = model.fit(
+        x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=callbacks
+    )
+    return model, backup, history
+
+
+def _preempted(backup_dir, optimizer, epochs, stop, layers=1):
+    with pytest.raises(RuntimeError, match="preempted"):
+        _fit(backup_dir, optimizer, epochs, stop, layers)
+    assert os.listdir(backup_dir) == [f"epoch-{stop}.weights.h5"]
+
+
+def _assert_refused(backup_dir, optimizer, epochs, stop, what, layers=1):
+    path = os.path.join(str(backup_dir), f"epoch-{stop}.weights.h5")
+    with open(path, "rb") as handle:
+        before = handle.read()
+    with pytest.raises(ValueError) as info:
+        _fit(backup_dir, optimizer, epochs, layers=layers)
+    assert str(info.value) == (
+        f"BackupAndRestore: the backup {path} does not match this training: "
+        f"{what}. It was not loaded and is kept; delete it (or pass another "
+        "`backup_dir`) to start from the beginning."
+    )
+    # Kept as it was, and the callback did not resume.
+    with open(path, "rb") as handle:
+        assert handle.read() == before
+
+
+def test_backup_of_a_later_epoch_than_fit_runs_is_refused_and_kept(tmp_path):
+    _preempted(tmp_path, keras.optimizers.SGD(0.1), 8, stop=6)
+    _assert_refused(
+        tmp_path,
+        keras.optimizers.SGD(0.1),
+        4,
+        6,
+        "it is of epoch 6, after this fit's last (epochs=4)",
+    )
+
+
+def test_backup_of_another_learning_rate_is_refused(tmp_path):
+    _preempted(tmp_path, keras.optimizers.SGD(0.5), 4, stop=2)
+    _assert_refused(
+        tmp_path,
+        keras.optimizers.SGD(0.25),
+        4,
+        2,
+        "the optimizer config differs: learning_rate=0.5 in the backup, 0.25 here",
+    )
+
+
+def test_backup_of_another_optimizer_class_is_refused(tmp_path):
+    _preempted(tmp_path, tf_lars.LARS(0.5), 4, stop=2)
+    _assert_refused(
+        tmp_path,
+        keras.optimizers.SGD(0.5),
+        4,
+        2,
+        "the optimizer class is tf_lars>LARS in the backup and SGD here",
+    )
+
+
+def test_backup_with_another_optimizer_variable_count_is_refused(tmp_path):
+    _preempted(tmp_path, keras.optimizers.SGD(0.5, momentum=0.5), 4, stop=2)
+    _assert_refused(
+        tmp_path,
+        keras.optimizers.SGD(0.5, momentum=0.5),
+        4,
+        2,
+        "the optimizer has 4 variables in the backup and 6 here",
+        layers=2,
+    )
+
+
+def test_matching_backup_resumes_with_its_step_count_and_learning_rate(tmp_path):
+    _preempted(tmp_path, keras.optimizers.SGD(0.5, momentum=0.5), 4, stop=2)
+    model, backup, history = _fit(tmp_path, keras.optimizers.SGD(0.5, momentum=0.5), 4)
+    assert backup.restored_epoch == 2
+    assert history.epoch == [2, 3]
+    assert int(model.optimizer.iterations.numpy()) == 4 * 4
+    assert float(model.optimizer.learning_rate.numpy()) == 0.5
+    assert not os.path.exists(tmp_path) or os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_every_worker_stops_when_the_chief_refuses_a_backup(tmp_path):
+    # A stale backup of epoch 9 for a 4-epoch job: refused by its number,
+    # before a byte of it is read.
+    backup_dir = tmp_path / "backup"
+    backup_dir.mkdir()
+    stale = backup_dir / "epoch-9.weights.h5"
+    stale.write_bytes(b"a backup of another run")
+    out = tmp_path / "out"
+    out.mkdir()
+    log_dir = tmp_path / "logs"
+    code, stdout, _ = run_launcher(
+        log_dir,
+        ["--mode", "sync", "--workers", "2", "--timeout", "240"],
+        [os.path.join("tests", "distribute_preempt_script.py"), str(out)]
+        + [str(backup_dir)],
+        300,
+    )
+    assert code == 1, stdout
+    logs = {i: (log_dir / f"worker-{i}.log").read_text() for i in (0, 1)}
+    assert (
+        f"ValueError: BackupAndRestore: the backup {stale} does not match this "
+        "training: it is of epoch 9, after this fit's last (epochs=4). It was not "
+        "loaded and is kept;"
+    ) in logs[0]
+    assert (
+        f"ValueError: BackupAndRestore: the chief refused the backup in {backup_dir} "
+        "(its error says what differs); this worker stops too."
+    ) in logs[1]
+    assert stale.read_bytes() == b"a backup of another run"
+    assert os.listdir(out) == []  # no worker started training
