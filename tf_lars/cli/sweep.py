@@ -10,8 +10,14 @@ processes (spawned, so each has its own TensorFlow runtime, pinned to
 `cores // workers` threads); they inherit the parent's
 `TF_CPP_MIN_LOG_LEVEL` and import TensorFlow as quietly
 (`tf_lars.cli.import_tensorflow`).
+
+Every grid point's schedule and optimizer are built before the first
+training, so a learning rate out of range refuses the whole sweep at once. A
+worker that dies (SIGKILL, the out-of-memory killer) ends the sweep:
+`WorkerLost`, with the finished trainings written.
 """
 
+import concurrent.futures
 import json
 import math
 import multiprocessing
@@ -29,6 +35,13 @@ from tf_lars.cli.preflight import (
 )
 
 _WORKER_DATA = {}
+
+
+class WorkerLost(ConfigError):
+    """A worker process ended without its training's result (a signal, e.g.
+    the out-of-memory killer's SIGKILL). A `ConfigError`, so that `tf-lars`
+    reports it as one line and exit status 2; the message says what the run
+    folder keeps."""
 
 
 def available_cores():
@@ -212,31 +225,68 @@ def execute(config, tasks, workers, out=print, results=None):
 
 
 def _run_in_pool(config, tasks, order, workers, threads, report):
-    """Runs `tasks` in `order` on spawned processes; reports each result."""
-    context = multiprocessing.get_context("spawn")
-    # The workers ignore SIGINT (a Ctrl-C reaches the terminal's whole process
-    # group): this process handles it and stops them. An ignored signal stays
-    # ignored in a spawned child, so the handler is swapped while they start.
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Runs `tasks` in `order` on spawned processes; reports each result.
+
+    Raises:
+        WorkerLost: a worker process died; the others are stopped.
+    """
+    # A `ProcessPoolExecutor`, not a `multiprocessing.Pool`: when a worker
+    # dies, the pool replaces it and waits for its result for ever; the
+    # executor fails every unfinished future with `BrokenProcessPool`.
+    executor = concurrent.futures.ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(threads,),
+    )
+    processes = []
     try:
-        pool = context.Pool(workers, initializer=_init_worker, initargs=(threads,))
-    finally:
-        signal.signal(signal.SIGINT, handler)
-    try:
-        arguments = [(config, index, tasks[index]) for index in order]
-        finished = pool.imap_unordered(_star_run_indexed, arguments)
-        for done, (index, result) in enumerate(finished, start=1):
-            report(done, index, result)
-        pool.close()
+        # The workers ignore SIGINT (a Ctrl-C reaches the terminal's whole
+        # process group): this process handles it and stops them. An ignored
+        # signal stays ignored in a spawned child, and the executor starts
+        # its workers in `submit`, so the handler is swapped around it.
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            futures = {
+                executor.submit(run_task, config, tasks[index]): index
+                for index in order
+            }
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        processes = list(executor._processes.values())  # noqa: SLF001 - see _stop
+        finished = concurrent.futures.as_completed(futures)
+        for done, future in enumerate(finished, start=1):
+            report(done, futures[future], future.result())
+    except concurrent.futures.process.BrokenProcessPool:
+        _stop(executor, processes)
+        raise WorkerLost(f"a worker process {_how_it_ended(processes)}") from None
     finally:
         # On Ctrl-C or an error, the running trainings are stopped at once.
-        pool.terminate()
-        pool.join()
+        _stop(executor, processes)
 
 
-def _star_run_indexed(arguments):
-    config, index, task = arguments
-    return index, run_task(config, task)
+def _stop(executor, processes):
+    """Ends `executor` and its `processes` (running trainings too) at once.
+
+    `ProcessPoolExecutor.shutdown` waits for the running calls; Python 3.14's
+    `terminate_workers` does what this does.
+    """
+    for process in processes:
+        if process.exitcode is None:
+            process.terminate()
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _how_it_ended(processes):
+    """'was killed by SIGKILL' (the lost worker's end), in words."""
+    for process in processes:
+        code = process.exitcode
+        # The executor ends the other workers with SIGTERM.
+        if code is not None and code < 0 and code != -signal.SIGTERM:
+            return f"was killed by {signal.Signals(-code).name}"
+        if code is not None and code > 0:
+            return f"exited with status {code}"
+    return "ended abruptly"
 
 
 def summarize(batch_sizes, labels, results):
@@ -345,9 +395,11 @@ def run(config, data=None, folder=None, overwrite=False):
         The exit status, 0.
 
     Raises:
-        ConfigError, DataError: before any file is written or process started.
+        ConfigError, DataError: before any file is written or process started
+            (a grid point whose learning rate is out of range included).
         tf_lars.cli.preflight.Interrupted: on Ctrl-C, after writing the
             finished trainings and their table.
+        WorkerLost: a worker process died (killed); the same files written.
     """
     from tf_lars.cli.preflight import preflight
 
@@ -379,22 +431,27 @@ def _write_results(run_dir, config, plan_, workers, results, wall):
     return summary, table
 
 
-def _interrupted(run_dir, config, plan_, workers, results, wall):
-    """Writes what finished and a note; the exception `main` reports."""
+def _interrupted(run_dir, config, plan_, workers, results, wall, lost=None):
+    """Writes what finished and a note; the exception `main` reports.
+
+    `lost`, a `WorkerLost`, when a dead worker (not a Ctrl-C) ended the sweep.
+    """
     summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
     done = sum(result is not None for result in results)
+    cause = "Interrupted (Ctrl-C)" if lost is None else f"Stopped: {lost}"
     write_text(
         run_dir,
         INTERRUPTED_NOTE,
-        f"Interrupted (Ctrl-C) after {done} of {len(results)} trainings. "
+        f"{cause} after {done} of {len(results)} trainings. "
         "results.json and table.md hold the finished ones; sweep.png was not "
         "drawn.\n",
     )
-    return Interrupted(
+    kept = (
         f"the run folder {run_dir} keeps config.yaml, results.json and table.md "
         f"of the {done} of {len(results)} trainings that finished, and "
         f"{INTERRUPTED_NOTE}"
     )
+    return Interrupted(kept) if lost is None else WorkerLost(f"{lost}; {kept}")
 
 
 def run_sweep(config, run_dir, out=print, data=None):
@@ -420,6 +477,7 @@ def run_sweep(config, run_dir, out=print, data=None):
     batch_sizes, factors, tasks = plan(config, len(data.x_train))
     labels = [entry["label"] for entry in config["optimizers"]]
     _check_optimizers(config)
+    _check_grid_points(config, tasks, len(data.x_train))
     workers = config["sweep"]["workers"]
     if workers == "auto":
         workers = available_cores()
@@ -441,6 +499,10 @@ def run_sweep(config, run_dir, out=print, data=None):
     except KeyboardInterrupt:
         wall = time.perf_counter() - started
         raise _interrupted(run_dir, config, plan_, workers, results, wall) from None
+    except WorkerLost as lost:
+        wall = time.perf_counter() - started
+        stopped = _interrupted(run_dir, config, plan_, workers, results, wall, lost)
+        raise stopped from None
     wall = time.perf_counter() - started
     summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
     _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep)
@@ -462,6 +524,37 @@ def _check_optimizers(config):
             learning_rate=entry["base_learning_rate"],
             key=f"optimizers.{index}.optimizer",
         )
+
+
+def _check_grid_points(config, tasks, num_train):
+    """Builds every grid point's schedule and optimizer, as `run_task` will.
+
+    A learning rate out of range (beyond float32, below
+    `schedule.end_learning_rate`) refuses the whole sweep here, before any
+    training, instead of when its point starts, after the earlier ones.
+    """
+    from tf_lars.cli.config import build_optimizer, optimizer_spec
+    from tf_lars.cli.train import build_schedule
+
+    specs = {
+        entry["label"]: optimizer_spec(
+            entry["optimizer"], f"optimizers.{index}.optimizer"
+        )
+        for index, entry in enumerate(config["optimizers"])
+    }
+    epochs = config["training"]["epochs"]
+    for task in tasks:
+        steps_per_epoch = num_train // task["batch_size"]
+        try:
+            schedule = build_schedule(
+                config["schedule"], task["learning_rate"], steps_per_epoch, epochs
+            )
+            build_optimizer(specs[task["label"]], schedule)
+        except ConfigError as error:
+            raise ConfigError(
+                f"the grid point {_describe(task)} is refused, so no training "
+                f"started: {error}"
+            ) from None
 
 
 def _print_table(out, run_dir, epochs, table, wall):
