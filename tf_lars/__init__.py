@@ -5,7 +5,10 @@ load on first use (PEP 562 `__getattr__`), the same way in every process, so
 that `tf-lars --help` answers at once and a JAX or PyTorch user never pays
 TensorFlow's start-up. Loading an optimizer imports Keras (and, on Keras's
 TensorFlow backend, TensorFlow) and checks their versions
-(`tf_lars/_internals.py`).
+(`tf_lars/_internals.py`). TensorFlow is an optional dependency (the
+`tensorflow` extra): the optimizers run without it on JAX and PyTorch, and
+the TensorFlow-only `AGN` and `tf_lars.distribute` name the extra when it is
+missing (`_require_tensorflow_backend`).
 
 Saved files: Keras looks a saved class up only in its registry of custom
 objects. So that `keras.models.load_model` finds a tf_lars optimizer in a
@@ -166,7 +169,20 @@ def _keras_backend():
 
 
 def _require_tensorflow_backend(feature):
-    """Raises ImportError for a TensorFlow-only `feature` on another backend."""
+    """Raises ImportError for a TensorFlow-only `feature` where it cannot run.
+
+    Without TensorFlow installed (`pip install tf_lars` alone brings Keras and
+    NumPy only), a `ModuleNotFoundError` naming the extra that brings it; with
+    TensorFlow installed but Keras on another backend, an `ImportError` saying
+    which backend to set. Checked before Keras or TensorFlow is imported.
+    """
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ModuleNotFoundError(
+            f"{feature} needs TensorFlow, which is not installed: install it "
+            'with `pip install "tf_lars[tensorflow]"` and run it on Keras\'s '
+            "TensorFlow backend (KERAS_BACKEND=tensorflow).",
+            name="tensorflow",
+        )
     backend = _keras_backend()
     if backend != "tensorflow":
         raise ImportError(

@@ -6,11 +6,19 @@ the class docstring) and `tf_lars.distribute` adds the worker side. The
 module-level helpers below are shared with `tf_lars.distribute.ps_agn`.
 """
 
+# ruff: noqa: E402
 import numbers
 
-import keras
+from tf_lars import _require_tensorflow_backend
 
-from tf_lars import _internals, _require_tensorflow_backend
+# Before Keras and TensorFlow are imported: without TensorFlow, or on another
+# backend, one clear error.
+_require_tensorflow_backend("tf_lars.AGN")
+
+import keras
+import tensorflow as tf
+
+from tf_lars import _internals
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
 from tf_lars._validation import check_inner_learning_rate
@@ -21,11 +29,6 @@ from tf_lars._wrapper import (
     gradient_as_tensor,
 )
 from tf_lars.schedules import check_step_count
-
-# Before TensorFlow is imported: on another backend, one clear error.
-_require_tensorflow_backend("tf_lars.AGN")
-
-import tensorflow as tf  # noqa: E402
 
 __all__ = ["AGN"]
 

@@ -16,7 +16,9 @@
 Imports only downward: this package uses `tf_lars` (core); core never
 imports it.
 
-TensorFlow is imported lazily, on first use of a name that needs it.
+TensorFlow is imported lazily, on first use of a name that needs it. Without
+it installed, importing this package raises one `ModuleNotFoundError` naming
+the `tensorflow` extra; on another Keras backend, one `ImportError` naming it.
 """
 
 from tf_lars import _require_tensorflow_backend
