@@ -174,3 +174,23 @@ def test_a_killed_worker_ends_the_sweep_with_the_finished_trainings_kept(tmp_pat
         assert 0.0 <= run["test_accuracy"] <= 1.0
     # The other worker was stopped with the sweep.
     assert not any(_running(pid) for pid in workers)
+
+
+def test_the_interrupted_note_names_sigterm(tmp_path):
+    """A SIGTERM (tf_lars.cli.main.Terminated) is named in the sweep's note,
+    as in `train`'s; Ctrl-C keeps its wording."""
+    from tf_lars.cli import sweep
+    from tf_lars.cli.config import default_config
+    from tf_lars.cli.main import Terminated
+
+    config = default_config("sweep")
+    plan = ([8], [1.0], ["LARS"])
+    for interrupt, word in ((Terminated(), "SIGTERM"), (KeyboardInterrupt(), "Ctrl-C")):
+        folder = tmp_path / word
+        folder.mkdir()
+        stopped = sweep._interrupted(
+            str(folder), config, plan, 1, [None, None], 2.0, interrupt=interrupt
+        )
+        note = (folder / "INTERRUPTED").read_text()
+        assert note.startswith(f"Interrupted ({word}) after 0 of 2 trainings.")
+        assert isinstance(stopped, KeyboardInterrupt)

@@ -10,9 +10,18 @@ The package may import `tf_lars` and `tf_lars.distribute`; nothing there
 imports it.
 """
 
-from tf_lars.distribute.logs import set_tensorflow_log_level
-
 __all__ = ["import_tensorflow", "set_tensorflow_log_level"]
+
+
+def set_tensorflow_log_level(tf_log=False):
+    """`tf_lars.distribute.logs.set_tensorflow_log_level`, imported when called.
+
+    `tf_lars.distribute` needs Keras's TensorFlow backend; importing it
+    here would make `tf-lars --help` fail on another backend.
+    """
+    from tf_lars.distribute.logs import set_tensorflow_log_level as set_level
+
+    set_level(tf_log)
 
 
 def import_tensorflow():

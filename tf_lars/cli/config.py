@@ -35,6 +35,7 @@ import math
 import os
 import pathlib
 import re
+import sys
 import typing
 from typing import Annotated, Any, Literal
 
@@ -42,8 +43,6 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
-
-from tf_lars._validation import is_real
 
 __all__ = [
     "ConfigError",
@@ -99,19 +98,69 @@ def located_message(error, path=None, overrides=()):
         if parts[:common] == override_parts[:common]:
             return message
     try:
-        with open(path, encoding="utf-8") as handle:
-            user = yaml.load(handle.read(), Loader=_Loader)  # noqa: S506 - safe
-    except (OSError, ValueError, yaml.YAMLError):
+        user = parse_yaml(read_config_file(path), "")
+    except ConfigError:
         return message
     if isinstance(user, dict) and parts[0] in user and _sets(user, parts):
         return f"--config {path}: {message}"
     return message
 
 
+# What a config may be: a few kB of a few hundred values, a handful of
+# levels deep. The bounds refuse a file that would take the memory instead:
+# /dev/zero, or a few hundred bytes of aliases of aliases ("billion laughs").
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000
+MAX_CONFIG_DEPTH = 64
+
+
+class _TooLarge(ValueError):
+    pass
+
+
+def _expanded_size(node, depth, sizes):
+    """The number of values `node` expands to, aliases repeated in full.
+
+    `sizes` holds the nodes already counted, so a node that aliases repeat
+    is walked once; an alias of a node inside itself never ends, and is
+    refused as too deep.
+    """
+    if depth > MAX_CONFIG_DEPTH:
+        raise _TooLarge(f"nested more than {MAX_CONFIG_DEPTH} levels deep")
+    if id(node) not in sizes:
+        children = node.value if isinstance(node, yaml.SequenceNode) else []
+        if isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        size = 1 + sum(_expanded_size(child, depth + 1, sizes) for child in children)
+        if size > MAX_CONFIG_VALUES:
+            raise _TooLarge(
+                f"expands to more than {MAX_CONFIG_VALUES} values (aliases "
+                "repeated inside aliases); a config holds a few hundred"
+            )
+        sizes[id(node)] = size
+    return sizes[id(node)]
+
+
 # PyYAML follows YAML 1.1, where `1e-4` is a string; every user types it
 # expecting a float, so such scalars resolve to floats here.
 class _Loader(yaml.SafeLoader):
-    pass
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        # Refused on the way down, before PyYAML's recursion goes deeper.
+        self._depth += 1
+        try:
+            if self._depth > MAX_CONFIG_DEPTH:
+                raise _TooLarge(f"nested more than {MAX_CONFIG_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        if node is not None:
+            _expanded_size(node, 0, {})
+        return node
 
 
 _Loader.add_implicit_resolver(
@@ -139,12 +188,27 @@ def parse_yaml(text, source):
         The parsed value.
 
     Raises:
-        ConfigError: the text is not valid YAML.
+        ConfigError: the text is not valid YAML, nests or expands beyond the
+            bounds above, or holds a value Python cannot read (an int of more
+            than `sys.get_int_max_str_digits()` digits, a date out of range).
     """
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {_one_line(error)}") from None
+    except _TooLarge as error:
+        raise ConfigError(f"{source}: refused: the YAML {error}") from None
+    except RecursionError:
+        # PyYAML composes nested values recursively.
+        raise ConfigError(
+            f"{source}: refused: the YAML nested more than {MAX_CONFIG_DEPTH} "
+            "levels deep"
+        ) from None
+    except ValueError as error:
+        detail = _one_line(error)
+        if "integer string conversion" in detail:
+            detail = f"an int of more than {sys.get_int_max_str_digits()} digits"
+        raise ConfigError(f"{source}: not a config value: {detail}") from None
 
 
 def default_config_path(command):
@@ -234,6 +298,29 @@ def _float(low=None, high=None, *, low_open=False, high_open=False):
     return Annotated[kind, _ruled(rule)]
 
 
+def _path_text(value):
+    # A NUL or an unpaired surrogate cannot name a file (the OS calls raise).
+    if "\0" in value:
+        raise ValueError("NUL")
+    value.encode("utf-8")  # UnicodeEncodeError, a ValueError, on a surrogate
+    return value
+
+
+def _folder_name(value):
+    _path_text(value)
+    separators = {os.sep, os.altsep} - {None}
+    if value in ("", ".", "..") or any(sep in value for sep in separators):
+        raise ValueError("not one path component")
+    return value
+
+
+def _path(check, rule, *, nullable=False):
+    kind = Annotated[pydantic.StrictStr, pydantic.AfterValidator(check)]
+    if nullable:
+        kind = kind | None
+    return Annotated[kind, _ruled(rule)]
+
+
 def _bool(*words):
     rule = "must be true or false" + "".join(f" or {word!r}" for word in words)
     kind = pydantic.StrictBool
@@ -285,7 +372,7 @@ class OptimizerBlock(_Block):
     config: Annotated[
         dict[str, Any] | None,
         _ruled("must be a mapping of constructor arguments"),
-    ] = None
+    ] = Field(default_factory=dict)
     module: Any = None
     registered_name: Any = None
 
@@ -307,13 +394,19 @@ class OptimizerBlock(_Block):
 _OPTIMIZER = _block(OptimizerBlock, "must be a mapping with `class_name` and `config`")
 
 
+# Seeds go to NumPy (`np.random.seed`, scikit-learn's `random_state`), which
+# takes 32 bits; the classes to a Dense layer of that many units.
+MAX_SEED = 2**32 - 1
+MAX_CLASSES = 1_000_000
+
+
 class Data(_Block):
     # null = scikit-learn's digits; a path = an .npz with x_train, y_train,
     # x_test, y_test.
     path: _str(nullable=True)
     test_fraction: _float(0.0, 1.0, low_open=True, high_open=True)
-    split_seed: _int(low=0)
-    num_classes: _int(low=2, nullable=True)
+    split_seed: _int(0, MAX_SEED)
+    num_classes: _int(2, MAX_CLASSES, nullable=True)
 
 
 class Model(_Block):
@@ -324,9 +417,16 @@ class Model(_Block):
 class _Common(_Block):
     """Keys that `train` and `sweep` configs share, in this order."""
 
-    seed: _int(low=0)
-    output_dir: _str()
-    run_name: _str(nullable=True)
+    seed: _int(0, MAX_SEED)
+    output_dir: _path(
+        _path_text, "must be a path without NUL or unpaired surrogate characters"
+    )
+    run_name: _path(
+        _folder_name,
+        "must be one folder name (not empty, '.' or '..', without '/', NUL or "
+        "unpaired surrogate characters) or null",
+        nullable=True,
+    )
     data: _block(Data)
     model: _block(Model)
 
@@ -524,10 +624,41 @@ def _optimizer_class(block, key):
                     "inner optimizer here and loss scaling in the `loss_scale` "
                     f"block. {_show(key + '.class_name', block.get('class_name'))}"
                 )
+            _refuse_wrapper(cls, block, key)
             return cls
     raise ConfigError(
         f"`{key}.class_name` must name a Keras optimizer (e.g. LARS, SGD, Adam). "
         f"{_show(key + '.class_name', block.get('class_name'))}",
+        key=f"{key}.class_name",
+    )
+
+
+def _refuse_wrapper(cls, block, key):
+    """Refuses an optimizer that wraps another one (TrustRatio, AGN).
+
+    Its `inner_optimizer` is a Python object, which a config cannot give;
+    LAMB and LARS are the trust ratio around Adam and SGD-momentum, and AGN
+    trains on parameter servers (`tf_lars.distribute`), not in `train`.
+    """
+    import tf_lars
+
+    inner = inspect.signature(cls).parameters.get("inner_optimizer")
+    if inner is None or inner.default is not inner.empty:
+        return
+    shown = _show(f"{key}.class_name", block.get("class_name"))
+    if issubclass(cls, tf_lars.AGN):
+        advice = (
+            "AGN trains on parameter servers (tf_lars.distribute, see "
+            "docs/guides/parameter-servers.md), not in one `tf-lars` training; "
+            "name its inner optimizer here instead"
+        )
+    else:
+        advice = (
+            f"{cls.__name__} wraps an optimizer that a config cannot give; use "
+            "LAMB (the trust ratio around Adam) or LARS (around SGD with momentum)"
+        )
+    raise ConfigError(
+        f"`{key}.class_name` names an optimizer wrapper: {advice}. {shown}",
         key=f"{key}.class_name",
     )
 
@@ -565,6 +696,10 @@ def _argument_rule(name, default, value):
     (Keras's `SGD` takes `nesterov=1`); the types of the defaults are the
     rule here.
     """
+    # Imported here: `tf_lars._validation` may load Keras (and TensorFlow),
+    # which the checks before TensorFlow must not.
+    from tf_lars._validation import is_real
+
     if name == "learning_rate":
         if isinstance(value, dict) or (is_real(value) and math.isfinite(value)):
             return None
@@ -770,19 +905,7 @@ def load_config(command, path=None, overrides=()):
     """
     config = default_config(command)
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as error:
-            raise ConfigError(
-                f"--config {path}: cannot read: {error.strerror or error}"
-            ) from None
-        except UnicodeDecodeError as error:
-            raise ConfigError(
-                f"--config {path}: not a text file (byte {error.start} is not "
-                "UTF-8); give a YAML file of config keys"
-            ) from None
-        user = parse_yaml(text, f"--config {path}")
+        user = parse_yaml(read_config_file(path), f"--config {path}")
         if user is None:
             user = {}
         if not isinstance(user, dict):
@@ -793,6 +916,33 @@ def load_config(command, path=None, overrides=()):
         config = _merge(config, user)
     config = apply_overrides(config, overrides)
     return validate_config(command, config)
+
+
+def read_config_file(path):
+    """The text of a `--config` file, read up to `MAX_CONFIG_BYTES`.
+
+    Raises:
+        ConfigError: the file cannot be read, is larger, or is not UTF-8.
+    """
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(
+            f"--config {path}: cannot read: {error.strerror or error}"
+        ) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"--config {path}: refused: larger than {MAX_CONFIG_BYTES} bytes (1 MiB); "
+            "a config is a few kB of YAML"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"--config {path}: not a text file (byte {error.start} is not "
+            "UTF-8); give a YAML file of config keys"
+        ) from None
 
 
 def dump_config(config):

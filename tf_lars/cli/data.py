@@ -8,10 +8,13 @@ Every problem with the data is a `DataError` with a one-line message.
 """
 
 import collections
+import math
 import os
 import zipfile
 
 import numpy as np
+
+from tf_lars.cli.config import MAX_CLASSES
 
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -89,9 +92,13 @@ def _load_npz(data_config):
                     f"{', '.join(names) or 'no arrays'}; expected "
                     f"{', '.join(REQUIRED_ARRAYS)}"
                 )
+            for name in REQUIRED_ARRAYS:
+                _check_stored_size(archive.zip, name, where)
             arrays = {name: archive[name] for name in REQUIRED_ARRAYS}
     except DataError:
         raise
+    except MemoryError as error:
+        raise DataError(f"{where}: cannot read as .npz ({_one_line(error)})") from None
     except ValueError as error:
         if "allow_pickle" not in str(error):
             detail = _one_line(error)
@@ -113,6 +120,34 @@ def _load_npz(data_config):
         source=path,
         where=where,
     )
+
+
+def _check_stored_size(archive, name, where):
+    """Refuses an array whose header claims more bytes than the file stores.
+
+    NumPy allocates what the header of an `.npy` member claims before it
+    reads the data: a few bytes of header can ask for petabytes.
+    """
+    member = f"{name}.npy" if f"{name}.npy" in archive.namelist() else name
+    info = archive.getinfo(member)
+    with archive.open(info) as stream:
+        version = np.lib.format.read_magic(stream)
+        read_header = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }.get(version)
+        if read_header is None:
+            return  # a newer format: `np.load` reads it (a MemoryError is caught)
+        shape, _, dtype = read_header(stream)
+    if dtype.hasobject:
+        return  # pickled: refused when loaded
+    claimed = math.prod(shape) * dtype.itemsize
+    if claimed > info.file_size:
+        raise DataError(
+            f"{where}: {name} claims shape {shape} ({claimed} bytes of {dtype}) but "
+            f"the file stores {info.file_size} bytes for it; the file is damaged "
+            "or not what numpy.savez writes"
+        )
 
 
 def _one_line(error):
@@ -168,6 +203,11 @@ def _finish(x_train, y_train, x_test, y_test, num_classes, source, where):
             raise DataError(f"{where}: {name} holds NaN or infinite values")
     if num_classes is None:
         num_classes = max(int(max(y_train.max(), y_test.max())) + 1, 2)
+        if num_classes > MAX_CLASSES:
+            raise DataError(
+                f"{where}: labels go up to {num_classes - 1}, which would make "
+                f"{num_classes} classes; at most {MAX_CLASSES} are supported"
+            )
     for name, y in (("y_train", y_train), ("y_test", y_test)):
         if y.min() < 0 or y.max() >= num_classes:
             raise DataError(

@@ -16,8 +16,10 @@ checkout.
 Configuration, data or output-folder problems (and, for a multi-worker
 `train`, a bad `TF_CONFIG`) print one line to stderr and exit with status 2;
 those that need no TensorFlow are found before it is imported. A run folder
-that exists is refused unless `--overwrite` is given. Ctrl-C prints one line
-and exits with status 130, the run folder keeping what finished. See the
+that exists, or that another run has claimed, is refused unless
+`--overwrite` is given (and a claimed one even then). Ctrl-C prints one line
+and exits with status 130, the run folder keeping what finished; SIGTERM (a
+scheduler's preemption) does the same and exits with status 143. See the
 command-line guide (`docs/guides/cli.md`) for every config key.
 
 `train` runs distributed with the `distribute` config block; two workers on
@@ -33,15 +35,18 @@ at once; each command imports its module when it runs.
 """
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-
-from tf_lars.distribute.logs import quiet_python_logs as _quiet_python_logs
+import threading
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
-# Top-level modules of the `cli` extra (pyproject.toml).
-_CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn")
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as shells report a SIGTERM
+# Top-level modules of the `cli` extra (pyproject.toml), which brings the
+# `tensorflow` extra too.
+_CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn", "tensorflow", "absl")
 
 _DESCRIPTION = (
     "Large-batch training experiments with tf_lars (LARS for Keras 3): "
@@ -105,6 +110,44 @@ def _error(command, message):
     return EXIT_USAGE
 
 
+def _quiet_python_logs():
+    # Imported here: `tf_lars.distribute` needs the TensorFlow backend.
+    from tf_lars.distribute.logs import quiet_python_logs
+
+    quiet_python_logs()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python is running, to be handled as Ctrl-C is."""
+
+    signal_name = "SIGTERM"
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Raises `Terminated` on the first SIGTERM; yields the signals seen.
+
+    Kubernetes and Slurm send SIGTERM to preempt a job (SIGKILL follows);
+    later ones are counted but not raised, so the first one's handling (the
+    INTERRUPTED note) is not cut short.
+    """
+    received = []
+
+    def terminate(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # signal handlers can be set in the main thread only
+        return
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv=None):
     """Runs the `tf-lars` command line.
 
@@ -114,8 +157,10 @@ def main(argv=None):
 
     Returns:
         The exit status: 0 on success, 2 for a bad command line, config,
-        data or output folder (with a one-line message on stderr), 130 after
-        a Ctrl-C.
+        data or output folder, a Keras backend other than TensorFlow, or a
+        file of the run folder that cannot be written (a full disk), each
+        with a one-line message on stderr; 130 after a Ctrl-C, 143 after a
+        SIGTERM.
 
     Example:
 
@@ -129,33 +174,46 @@ def main(argv=None):
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
 
-    from tf_lars.cli import set_tensorflow_log_level
+    from tf_lars import _keras_backend
 
-    set_tensorflow_log_level(arguments.tf_log)
-    try:
-        return _run(arguments)
-    except KeyboardInterrupt as interrupt:
-        kept = str(interrupt)
-        print(
-            f"tf-lars {arguments.command}: interrupted (Ctrl-C)"
-            + (f"; {kept}" if kept else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_INTERRUPTED
-    except ModuleNotFoundError as error:
-        if (error.name or "").partition(".")[0] not in _CLI_EXTRA:
-            raise
+    backend = _keras_backend()
+    if backend != "tensorflow":
         return _error(
             arguments.command,
-            f'the command line needs the `cli` extra: pip install "tf_lars[cli]" '
-            f"(no module named {error.name!r})",
+            "the command line needs Keras's TensorFlow backend, and Keras is set "
+            f"to the {backend!r} backend (KERAS_BACKEND or keras.json); set "
+            "KERAS_BACKEND=tensorflow",
         )
+    with _sigterm_as_interrupt() as terminated:
+        try:
+            from tf_lars.cli import set_tensorflow_log_level
+
+            set_tensorflow_log_level(arguments.tf_log)
+            return _run(arguments)
+        except KeyboardInterrupt as interrupt:
+            kept = str(interrupt)
+            print(
+                f"tf-lars {arguments.command}: interrupted "
+                f"({'SIGTERM' if terminated else 'Ctrl-C'})"
+                + (f"; {kept}" if kept else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+        except ModuleNotFoundError as error:
+            if (error.name or "").partition(".")[0] not in _CLI_EXTRA:
+                raise
+            return _error(
+                arguments.command,
+                'the command line needs the `cli` extra: pip install "tf_lars[cli]" '
+                f"(no module named {error.name!r})",
+            )
 
 
 def _run(arguments):
     from tf_lars.cli.config import ConfigError, load_config, located_message
     from tf_lars.cli.data import DataError
+    from tf_lars.cli.preflight import release_run_dirs
     from tf_lars.distribute.tf_config import TFConfigError
 
     try:
@@ -178,6 +236,10 @@ def _run(arguments):
             arguments.command,
             located_message(error, arguments.config, arguments.overrides),
         )
+    finally:
+        # The folder's lock ends with the run; a folder this run created and
+        # left empty (refused before writing) is removed.
+        release_run_dirs()
 
 
 if __name__ == "__main__":

@@ -3,13 +3,20 @@
 `tf-lars` runs them before it imports TensorFlow (which takes seconds), so a
 config, data or output-folder mistake is reported at once: the data is
 loaded, batch sizes and the warm-up length are checked against it, the model
-against the examples' shape, and the run folder is chosen (never an existing
-one unless `--overwrite` is given). This module imports NumPy, PyYAML and
+against the examples' shape, and the run folder is chosen and claimed
+(`claim_run_dir`: never an existing one unless `--overwrite` is given, never
+one another run holds). Every file of a run folder is written whole or not
+at all (`write_file`, `write_text`). This module imports NumPy, PyYAML and
 pydantic (through `config`), never TensorFlow or Keras.
 """
 
+import contextlib
+import errno
+import fcntl
 import os
+import secrets
 import shutil
+import time
 
 from tf_lars.cli.config import ConfigError, run_dir
 
@@ -31,6 +38,11 @@ INTERRUPTED_NOTE = "INTERRUPTED"
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, caught by a command; the message says what its folder keeps."""
+
+
+def interruption_name(interrupt):
+    """The name of what a `KeyboardInterrupt` stands for: Ctrl-C or SIGTERM."""
+    return getattr(interrupt, "signal_name", "Ctrl-C")
 
 
 def resolve_batch_size(batch_size, num_train, key):
@@ -134,9 +146,10 @@ def choose_run_dir(config, command, overwrite=False):
         while os.path.lexists(f"{folder}-{suffix}"):
             suffix += 1
         return f"{folder}-{suffix}"
-    if not os.path.isdir(folder):
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        kind = "a symbolic link" if os.path.islink(folder) else "a file"
         raise ConfigError(
-            f"the run folder {folder} exists and is a file; choose another "
+            f"the run folder {folder} exists and is {kind}; choose another "
             f"`run_name`. Received: run_name={config['run_name']!r}"
         )
     if not overwrite:
@@ -146,6 +159,145 @@ def choose_run_dir(config, command, overwrite=False):
             f"its files. Received: run_name={config['run_name']!r}"
         )
     return folder
+
+
+# The run folders this process holds: folder -> (locked descriptor, the
+# folders it created for it, deepest last).
+_CLAIMS = {}
+
+
+def _make_parents(path):
+    """`os.makedirs(path)`; returns the folders it created, deepest last."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    created = []
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder)
+            created.append(folder)
+    return created
+
+
+def _lock(folder, attempts=1):
+    """The folder's descriptor, holding its exclusive lock; None if taken.
+
+    `flock` on the folder itself: the lock ends with the process however it
+    ends (a SIGKILL included), and leaves no file behind. `attempts` > 1
+    waits out another run's `_held` probe of a folder just created.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    descriptor = os.open(folder, flags)
+    for attempt in range(attempts):
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return descriptor
+        except BlockingIOError:
+            if attempt + 1 < attempts:
+                time.sleep(0.02)
+        except BaseException:
+            os.close(descriptor)
+            raise
+    os.close(descriptor)
+    return None
+
+
+def _held(folder):
+    """Whether another run holds the lock of an existing run folder."""
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return False
+    descriptor = _lock(folder)
+    if descriptor is not None:
+        os.close(descriptor)
+    return descriptor is None
+
+
+def _taken(folder, run_name):
+    return ConfigError(
+        f"the run folder {folder} is taken: another tf-lars run is writing it; "
+        f"choose another `run_name`. Received: run_name={run_name!r}"
+    )
+
+
+def claim_run_dir(config, command, overwrite=False):
+    """Chooses the run folder (`choose_run_dir`) and claims it atomically.
+
+    A new folder is created with `os.mkdir`, which fails when it exists: of
+    two runs given one name, one gets it and the other is refused. The
+    folder is then locked (`flock`) until `release_run_dirs`, so that a run
+    refuses, `--overwrite` or not, a folder that another run is writing.
+
+    Returns:
+        The run folder, created (or, with `overwrite`, existing) and locked.
+
+    Raises:
+        ConfigError: what `choose_run_dir` refuses; a folder another run
+            holds; a folder that cannot be created.
+    """
+    _check_output_dir(config["output_dir"])
+    run_name = config["run_name"]
+    created = []
+    folder = run_dir(config, command)
+    try:
+        created += _make_parents(os.path.abspath(config["output_dir"]))
+        while True:
+            if run_name is not None and _held(folder):
+                raise _taken(folder, run_name)
+            folder = choose_run_dir(config, command, overwrite)
+            try:
+                os.mkdir(folder)
+                new = True
+            except FileExistsError:
+                if run_name is None:
+                    continue  # another unnamed run took this name just now
+                if not overwrite:
+                    raise _taken(folder, run_name) from None
+                folder = choose_run_dir(config, command, overwrite)  # not a link
+                new = False
+            descriptor = _lock(folder, attempts=50)
+            if descriptor is None:
+                raise _taken(folder, run_name)
+            created += [folder] if new else []
+            break
+    except OSError as error:
+        _remove_empty(created)
+        if error.errno == errno.ELOOP:
+            raise ConfigError(
+                f"the run folder {folder} is a symbolic link; choose another "
+                f"`run_name`. Received: run_name={run_name!r}"
+            ) from None
+        raise ConfigError(
+            f"cannot create the run folder in {config['output_dir']}: "
+            f"{error.strerror or error}. Received: output_dir="
+            f"{config['output_dir']!r}"
+        ) from None
+    except BaseException:
+        _remove_empty(created)
+        raise
+    _CLAIMS[folder] = (descriptor, created)
+    return folder
+
+
+def _remove_empty(created):
+    """Removes the folders of `created` (deepest last) while they are empty."""
+    for folder in reversed(created):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break  # not empty: it holds what the run wrote
+
+
+def release_run_dirs():
+    """Unlocks the claimed run folders; removes those left empty.
+
+    A folder (or parent) that a refused run created and wrote nothing into
+    is removed, as if the run had never started.
+    """
+    while _CLAIMS:
+        _, (descriptor, created) = _CLAIMS.popitem()
+        os.close(descriptor)
+        _remove_empty(created)
 
 
 def open_run_dir(folder, command):
@@ -169,15 +321,40 @@ def open_run_dir(folder, command):
     return folder
 
 
-def write_text(folder, name, text):
-    """Writes one file of a run folder; an OS error is a `ConfigError`."""
+def write_file(path, write):
+    """Writes the file `path` whole or not at all.
+
+    `write(temporary)` writes a temporary file beside `path`, whose name
+    ends as `path`'s does (Keras, Matplotlib and NumPy read the format from
+    it); `os.replace` then puts it in place at once. A reader sees the old
+    file or the new one; a full disk leaves the old one (or none), never a
+    truncated one.
+
+    Raises:
+        ConfigError: an OS error (a full disk: ENOSPC, or EFBIG past a
+            file-size limit), naming the file; no temporary file is left.
+    """
+    folder, name = os.path.split(path)
+    stem, suffix = os.path.splitext(name)
+    temporary = os.path.join(folder, f".{stem}.tmp-{secrets.token_hex(4)}{suffix}")
     try:
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as handle:
-            handle.write(text)
+        write(temporary)
+        os.replace(temporary, path)
     except OSError as error:
-        raise ConfigError(
-            f"cannot write {os.path.join(folder, name)}: {error.strerror or error}"
-        ) from None
+        raise ConfigError(f"cannot write {path}: {error.strerror or error}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+
+
+def write_text(folder, name, text):
+    """Writes one text file of a run folder, whole (`write_file`)."""
+
+    def write(temporary):
+        with open(temporary, "x", encoding="utf-8") as handle:
+            handle.write(text)
+
+    write_file(os.path.join(folder, name), write)
 
 
 def check_train(config, data):
@@ -224,8 +401,8 @@ def preflight(command, config, overwrite=False):
 
     Returns:
         `(data, folder)`: the loaded `Dataset` and the run folder to write
-        (not created yet; None for a multi-worker run, whose chief is known
-        only once TensorFlow reads the cluster).
+        (claimed: `claim_run_dir`; None for a multi-worker run, whose chief
+        is known only once TensorFlow reads the cluster).
 
     Raises:
         ConfigError, DataError: the first problem found.
@@ -240,5 +417,5 @@ def preflight(command, config, overwrite=False):
     multi_worker = command == "train" and (
         config["distribute"]["strategy"] == "multi_worker"
     )
-    folder = None if multi_worker else choose_run_dir(config, command, overwrite)
+    folder = None if multi_worker else claim_run_dir(config, command, overwrite)
     return data, folder

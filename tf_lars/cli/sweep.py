@@ -30,7 +30,9 @@ from tf_lars.cli.config import ConfigError, dump_config
 from tf_lars.cli.preflight import (
     INTERRUPTED_NOTE,
     Interrupted,
+    interruption_name,
     open_run_dir,
+    write_file,
     write_text,
 )
 
@@ -431,14 +433,20 @@ def _write_results(run_dir, config, plan_, workers, results, wall):
     return summary, table
 
 
-def _interrupted(run_dir, config, plan_, workers, results, wall, lost=None):
+def _interrupted(
+    run_dir, config, plan_, workers, results, wall, lost=None, interrupt=None
+):
     """Writes what finished and a note; the exception `main` reports.
 
-    `lost`, a `WorkerLost`, when a dead worker (not a Ctrl-C) ended the sweep.
+    `lost`, a `WorkerLost`, when a dead worker (not a Ctrl-C) ended the sweep;
+    `interrupt`, the `KeyboardInterrupt` (Ctrl-C or SIGTERM) otherwise.
     """
     summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
     done = sum(result is not None for result in results)
-    cause = "Interrupted (Ctrl-C)" if lost is None else f"Stopped: {lost}"
+    if lost is None:
+        cause = f"Interrupted ({interruption_name(interrupt)})"
+    else:
+        cause = f"Stopped: {lost}"
     write_text(
         run_dir,
         INTERRUPTED_NOTE,
@@ -496,9 +504,11 @@ def run_sweep(config, run_dir, out=print, data=None):
     plan_ = (batch_sizes, factors, labels)
     try:
         execute(config, tasks, workers, out=out, results=results)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         wall = time.perf_counter() - started
-        raise _interrupted(run_dir, config, plan_, workers, results, wall) from None
+        raise _interrupted(
+            run_dir, config, plan_, workers, results, wall, interrupt=interrupt
+        ) from None
     except WorkerLost as lost:
         wall = time.perf_counter() - started
         stopped = _interrupted(run_dir, config, plan_, workers, results, wall, lost)
@@ -589,13 +599,13 @@ def _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep):
                 )
             )
     epochs = config["training"]["epochs"]
-    plot_sweep(
-        batch_sizes,
-        series,
+    title = (
+        f"Test accuracy after {epochs} epochs, warm-up "
+        f"{config['schedule']['warmup_epochs']:g} epochs + poly decay "
+        f"(power {config['schedule']['power']:g}); {data.source}"
+    )
+    # Whole or not at all, as every file of a run folder.
+    write_file(
         os.path.join(run_dir, "sweep.png"),
-        title=(
-            f"Test accuracy after {epochs} epochs, warm-up "
-            f"{config['schedule']['warmup_epochs']:g} epochs + poly decay "
-            f"(power {config['schedule']['power']:g}); {data.source}"
-        ),
+        lambda path: plot_sweep(batch_sizes, series, path, title=title),
     )

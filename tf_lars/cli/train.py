@@ -39,9 +39,11 @@ from tf_lars.cli.preflight import (
     check_distribute,
     check_model_input,
     check_warmup,
-    choose_run_dir,
+    claim_run_dir,
+    interruption_name,
     open_run_dir,
     resolve_batch_size,
+    write_file,
     write_text,
 )
 from tf_lars.schedules import WarmupPolynomialDecay, linear_scaled_learning_rate
@@ -643,6 +645,14 @@ class _HistoryWriter(keras.callbacks.Callback):
         )
 
 
+def _unwrapped(optimizer):
+    """The configured optimizer: inside the `loss_scale` block's wrapper, if
+    any (LAMB's own inner Adam is part of LAMB, never unwrapped)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 def _resolved_config(config, optimizer):
     """The config with the optimizer block filled from its `get_config()`.
 
@@ -651,8 +661,7 @@ def _resolved_config(config, optimizer):
     optimizer's, but for the learning rate, which stays out.
     """
     block = config["optimizer"]
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    arguments = {**inner.get_config(), **block["config"]}
+    arguments = {**_unwrapped(optimizer).get_config(), **block["config"]}
     if "learning_rate" not in block["config"]:
         del arguments["learning_rate"]
     return {
@@ -661,14 +670,19 @@ def _resolved_config(config, optimizer):
     }
 
 
-def _interrupted(folder, epochs_done, epochs):
-    """Leaves a note in the run folder; the exception `main` reports."""
+def _interrupted(folder, epochs_done, epochs, interrupt=None):
+    """Leaves a note in the run folder; the exception `main` reports.
+
+    `interrupt` is the `KeyboardInterrupt` caught: Ctrl-C's, or
+    `tf_lars.cli.main.Terminated` for a SIGTERM.
+    """
     from tf_lars.cli.preflight import Interrupted
 
     if folder is None:
         return Interrupted("")
     note = (
-        f"Interrupted (Ctrl-C) after {epochs_done} of {epochs} epochs. "
+        f"Interrupted ({interruption_name(interrupt)}) after {epochs_done} of "
+        f"{epochs} epochs. "
         "config.yaml and history.json hold what finished; the model, summary "
         "and plots were not written.\n"
     )
@@ -729,15 +743,18 @@ def run(config, data=None, folder=None, overwrite=False):
     if not distribution.chief:
         return _train_as_worker(config, data, distribution, trial)
     if folder is None:
-        folder = choose_run_dir(config, "train", overwrite)
+        folder = claim_run_dir(config, "train", overwrite)
     _open_run_folder(folder, config, data, distribution, sizes, trial["optimizer"])
     result, monitor = _train_as_chief(config, data, distribution, trial, folder)
     try:
         files = _write_run_files(folder, config, data, distribution, sizes, result)
         files += _write_trust_ratio_files(folder, config, monitor)
-    except KeyboardInterrupt:
+        # Last: a summary.json says that every other file is whole.
+        files.insert(2, _write_summary(folder, data, distribution, sizes, result))
+    except KeyboardInterrupt as interrupt:
         epochs_run = len(result["history"].get("loss", []))
-        raise _interrupted(folder, epochs_run, config["training"]["epochs"]) from None
+        epochs = config["training"]["epochs"]
+        raise _interrupted(folder, epochs_run, epochs, interrupt) from None
     _print_result(folder, result, files)
     return 0
 
@@ -792,9 +809,10 @@ def _train_as_chief(config, data, distribution, trial, folder):
         result = _train(
             config, data, distribution, trial, callbacks, config["training"]["verbose"]
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         done = len(writer.history.get("loss", []))
-        raise _interrupted(folder, done, config["training"]["epochs"]) from None
+        epochs = config["training"]["epochs"]
+        raise _interrupted(folder, done, epochs, interrupt) from None
     return result, monitor
 
 
@@ -832,7 +850,7 @@ def _print_result(folder, result, files):
 
 def _trust_ratio_monitor(config, optimizer, folder):
     """A `TrustRatioMonitor` for optimizers that expose trust ratios, else None."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = _unwrapped(optimizer)
     if "trust_coefficient" not in constructor_parameters(type(inner)):
         return None
     return TrustRatioMonitor(
@@ -871,50 +889,60 @@ def _summary(data, distribution, sizes, result, learning_rates, epochs_run):
             else learning_rate
         ),
         "optimizer": type(optimizer).__name__,
-        "inner_optimizer": type(
-            getattr(optimizer, "inner_optimizer", optimizer)
-        ).__name__,
+        "inner_optimizer": type(_unwrapped(optimizer)).__name__,
         "train_seconds": result["seconds"],
         "data": data.source,
     }
 
 
+def _learning_rates(result):
+    """The learning rate of every step run, and the number of epochs run."""
+    epochs_run = len(result["history"].get("loss", []))
+    total_steps = result["steps_per_epoch"] * epochs_run
+    return learning_rate_curve(result["learning_rate"], max(total_steps, 1)), epochs_run
+
+
 def _write_run_files(folder, config, data, distribution, sizes, result):
-    """history.json, summary.json, the model and the curves; their names."""
+    """history.json, the model and the curves, each whole; the folder's names."""
     from tf_lars.cli.plots import plot_curves, plot_learning_rate
 
     steps_per_epoch = result["steps_per_epoch"]
-    epochs_run = len(result["history"].get("loss", []))
+    learning_rates, epochs_run = _learning_rates(result)
     total_steps = steps_per_epoch * epochs_run
     history = {
         key: [_json_number(float(v)) for v in values]
         for key, values in result["history"].items()
     }
-    learning_rates = learning_rate_curve(result["learning_rate"], max(total_steps, 1))
     history["learning_rate_at_epoch_end"] = [
         float(learning_rates[min((epoch + 1) * steps_per_epoch, total_steps) - 1])
         for epoch in range(epochs_run)
     ]
-    with open(os.path.join(folder, "history.json"), "w", encoding="utf-8") as handle:
-        json.dump(
-            {"epoch": list(range(1, epochs_run + 1)), **history}, handle, indent=1
-        )
-    summary = _summary(data, distribution, sizes, result, learning_rates, epochs_run)
-    with open(os.path.join(folder, "summary.json"), "w", encoding="utf-8") as handle:
-        json.dump(summary, handle, indent=1, default=str)
-    result["model"].save(os.path.join(folder, "model.keras"))
-    plot_curves(result["history"], os.path.join(folder, "curves.png"))
-    plot_learning_rate(
-        learning_rates, steps_per_epoch, os.path.join(folder, "learning_rate.png")
+    history = {"epoch": list(range(1, epochs_run + 1)), **history}
+    write_text(folder, "history.json", json.dumps(history, indent=1))
+    write_file(os.path.join(folder, "model.keras"), result["model"].save)
+    write_file(
+        os.path.join(folder, "curves.png"),
+        lambda path: plot_curves(result["history"], path),
+    )
+    write_file(
+        os.path.join(folder, "learning_rate.png"),
+        lambda path: plot_learning_rate(learning_rates, steps_per_epoch, path),
     )
     return [
         "config.yaml",
         "history.json",
-        "summary.json",
         "model.keras",
         "curves.png",
         "learning_rate.png",
     ]
+
+
+def _write_summary(folder, data, distribution, sizes, result):
+    """summary.json; its name."""
+    learning_rates, epochs_run = _learning_rates(result)
+    summary = _summary(data, distribution, sizes, result, learning_rates, epochs_run)
+    write_text(folder, "summary.json", json.dumps(summary, indent=1, default=str))
+    return "summary.json"
 
 
 def _write_trust_ratio_files(folder, config, monitor):
@@ -928,18 +956,24 @@ def _write_trust_ratio_files(folder, config, monitor):
             for i, epoch in enumerate(monitor.epochs)
             if i + 1 == len(monitor.epochs) or monitor.epochs[i + 1] != epoch
         ]
-        plot_trust_ratios(
-            monitor.paths,
-            [monitor.epochs[i] + 1 for i in epoch_rows],
-            monitor.trust_ratios[epoch_rows],
+        write_file(
             os.path.join(folder, "trust_ratio.png"),
+            lambda path: plot_trust_ratios(
+                monitor.paths,
+                [monitor.epochs[i] + 1 for i in epoch_rows],
+                monitor.trust_ratios[epoch_rows],
+                path,
+            ),
         )
-        np.savez(
+        write_file(
             os.path.join(folder, "trust_ratios.npz"),
-            trust_ratios=monitor.trust_ratios,
-            steps=np.asarray(monitor.steps),
-            epochs=np.asarray(monitor.epochs),
-            paths=np.asarray(monitor.paths),
+            lambda path: np.savez(
+                path,
+                trust_ratios=monitor.trust_ratios,
+                steps=np.asarray(monitor.steps),
+                epochs=np.asarray(monitor.epochs),
+                paths=np.asarray(monitor.paths),
+            ),
         )
         files += ["trust_ratio.png", "trust_ratios.npz"]
     if config["monitor"]["tensorboard"] and monitor is not None:
