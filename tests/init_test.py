@@ -46,6 +46,7 @@ def test_all_is_sorted_and_every_name_is_registered():
     assert tf_lars.__all__ == sorted(tf_lars.__all__)
     assert tf_lars.__all__ == [
         "AGN",
+        "DiLoCo",
         "LAMB",
         "LARS",
         "LossScaleOptimizer",

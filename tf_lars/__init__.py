@@ -30,6 +30,7 @@ __version__ = "0.2.0"
 # Public name -> defining module. Sorted by name; one line per name.
 _PUBLIC = {
     "AGN": "tf_lars.agn",
+    "DiLoCo": "tf_lars.diloco",
     "LAMB": "tf_lars.lamb",
     "LARS": "tf_lars.lars",
     "LossScaleOptimizer": "tf_lars.loss_scale",
@@ -43,6 +44,7 @@ _PUBLIC = {
 # with them).
 __all__ = [
     "AGN",
+    "DiLoCo",
     "LAMB",
     "LARS",
     "LossScaleOptimizer",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # What the loading below binds, spelled out.
     from tf_lars import callbacks as callbacks
     from tf_lars import schedules as schedules
     from tf_lars.agn import AGN
+    from tf_lars.diloco import DiLoCo
     from tf_lars.lamb import LAMB
     from tf_lars.lars import LARS
     from tf_lars.loss_scale import LossScaleOptimizer
@@ -92,6 +95,7 @@ def load_public_names():
 # Every name tf_lars registers with Keras ("tf_lars>NAME") -> defining module.
 _REGISTERED = {
     "AGN": "tf_lars.agn",
+    "DiLoCo": "tf_lars.diloco",
     "LAMB": "tf_lars.lamb",
     "LARS": "tf_lars.lars",
     "LossScaleMonitor": "tf_lars.callbacks",

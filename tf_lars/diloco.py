@@ -1,0 +1,481 @@
+"""DiLoCo: local inner steps, an outer optimizer on the averaged pseudo-gradient.
+
+`DiLoCo` is one worker's side of synchronous DiLoCo (Douillard et al. 2023):
+the inner optimizer steps the worker's own variables, and every
+`sync_every` inner steps the workers average their pseudo-gradients
+`theta - theta_worker` and each applies the same outer step to its copy of
+the global parameters `theta`. Everything is `keras.ops`, so a custom loop
+calls it on any Keras backend. `simulate_sync` runs the exchange for workers
+simulated in one process; the communication options (bfloat16, 8- or 4-bit
+absmax quantization, error feedback) are the pure functions below, and
+streaming (fragments synced at staggered steps) is `streaming_schedule`.
+The rules are stated in docs/guides/low-communication.md.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from tf_lars import _internals
+from tf_lars._validation import (
+    check_bool,
+    check_choice,
+    check_config_keys,
+    check_inner_learning_rate,
+    check_int,
+    is_int,
+)
+
+__all__ = [
+    "DiLoCo",
+    "dequantize",
+    "error_feedback_step",
+    "fragment_offsets",
+    "payload_bytes",
+    "quantize",
+    "round_trip",
+    "simulate_sync",
+    "streaming_fragments",
+    "streaming_schedule",
+]
+
+#: What `compression` accepts: None sends the pseudo-gradient as it is.
+COMPRESSIONS = (None, "bfloat16", "int8", "int4")
+#: Absmax scaling over the whole tensor or over each row (axis 0).
+GRANULARITIES = ("tensor", "row")
+_BITS = {"bfloat16": 16, "int8": 8, "int4": 4}
+
+
+# --- Compression: what a pseudo-gradient looks like after the exchange. ---
+
+
+def quantize(x, bits, granularity="tensor"):
+    """Symmetric absmax quantization to `bits`-bit integer codes.
+
+    `scale = max|x| * (1 / (2**(bits-1) - 1))` (the reciprocal rounded to
+    `x`'s dtype) over the whole tensor
+    (`granularity="tensor"`) or over each row, the entries sharing an index
+    on axis 0 (`"row"`; a tensor of rank < 2 has one scale either way);
+    `codes = round(x / scale)`, rounded to nearest (ties to even), in
+    `[-(2**(bits-1) - 1), 2**(bits-1) - 1]`. A zero tensor (or row) gets
+    scale 0 and codes 0.
+
+    Args:
+        x: tensor. A pseudo-gradient.
+        bits: int, 8 or 4.
+        granularity: str, `"tensor"` or `"row"`. Defaults to `"tensor"`.
+
+    Returns:
+        `(codes, scale)`: int8 codes of `x`'s shape, and the scale in `x`'s
+        dtype, of shape `()` or `(rows, 1, ...)`.
+    """
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    levels = 2 ** (bits - 1) - 1
+    if granularity == "row" and len(x.shape) >= 2:
+        absmax = ops.max(ops.abs(x), axis=tuple(range(1, len(x.shape))), keepdims=True)
+    else:
+        absmax = ops.max(ops.abs(x))
+    # A product, not `absmax / levels`: XLA's vectorized division on CPU can
+    # be an ulp off, and the scale must be the same on every backend.
+    scale = absmax * ops.convert_to_tensor(np.asarray(1 / levels, dtype))
+    levels = ops.convert_to_tensor(np.asarray(levels, dtype))
+    safe_scale = ops.where(scale > 0, scale, ops.ones_like(scale))
+    codes = ops.clip(ops.round(x / safe_scale), -levels, levels)
+    return ops.cast(codes, "int8"), scale
+
+
+def dequantize(codes, scale, dtype):
+    """The values `codes * scale` that `quantize` encoded, in `dtype`."""
+    return ops.cast(codes, dtype) * ops.cast(scale, dtype)
+
+
+def round_trip(x, compression, granularity="tensor"):
+    """`x` as the other workers receive it under `compression`.
+
+    `None` sends `x` unchanged; `"bfloat16"` rounds it to bfloat16 (to
+    nearest, ties to even; float64 goes through float32 first); `"int8"` and
+    `"int4"` are `dequantize(*quantize(x, bits, granularity))`. The result
+    has `x`'s dtype.
+    """
+    x = ops.convert_to_tensor(x)
+    if compression is None:
+        return x
+    if compression == "bfloat16":
+        return ops.cast(ops.cast(ops.cast(x, "float32"), "bfloat16"), x.dtype)
+    codes, scale = quantize(x, _BITS[compression], granularity)
+    return dequantize(codes, scale, x.dtype)
+
+
+def error_feedback_step(pseudo_gradient, error, compression, granularity="tensor"):
+    """One exchange with error feedback: `(sent, new_error)`.
+
+    `sent = round_trip(pseudo_gradient + error)` and
+    `new_error = pseudo_gradient + error - sent`: what the compression lost
+    in round `r` is added to the pseudo-gradient of round `r + 1`.
+    """
+    corrected = ops.convert_to_tensor(pseudo_gradient) + ops.cast(
+        error, pseudo_gradient.dtype
+    )
+    sent = round_trip(corrected, compression, granularity)
+    return sent, corrected - sent
+
+
+def payload_bytes(shape, compression=None, granularity="tensor", dtype="float32"):
+    """Bytes one worker sends for a pseudo-gradient of `shape`.
+
+    Entries at 32 bits (64 for float64) uncompressed, 16 in bfloat16, 8 or
+    4 quantized (4-bit codes packed two to a byte, rounded up), plus one
+    float32 scale per tensor or per row.
+    """
+    count = 1
+    for dimension in shape:
+        count *= int(dimension)
+    if compression is None:
+        return count * (8 if dtype == "float64" else 4)
+    bits = _BITS[compression]
+    if compression == "bfloat16":
+        return count * 2
+    rows = int(shape[0]) if granularity == "row" and len(shape) >= 2 else 1
+    return (count * bits + 7) // 8 + 4 * rows
+
+
+# --- Streaming: fragments of the variables synced at staggered steps. ---
+
+
+def streaming_fragments(num_variables, num_fragments):
+    """The variable indices of each fragment, strided: fragment `f` holds
+    indices `f, f + F, f + 2F, ...` (Streaming DiLoCo's strided pattern,
+    over the variables in model order)."""
+    return [list(range(f, num_variables, num_fragments)) for f in range(num_fragments)]
+
+
+def fragment_offsets(num_fragments, sync_every):
+    """Fragment `f`'s offset `floor(f * H / F)`: the fragments spread evenly
+    over the `H = sync_every` inner steps of a round."""
+    return [(f * sync_every) // num_fragments for f in range(num_fragments)]
+
+
+def streaming_schedule(step, num_fragments, sync_every):
+    """The fragments due at inner step `step` (the count of inner steps taken).
+
+    Fragment `f` syncs at every `step >= 1` where
+    `(step - offset_f) % sync_every == 0`; with one fragment, at every
+    multiple of `sync_every` (plain DiLoCo).
+    """
+    offsets = fragment_offsets(num_fragments, sync_every)
+    return [
+        f
+        for f, offset in enumerate(offsets)
+        if step >= 1 and step >= offset and (step - offset) % sync_every == 0
+    ]
+
+
+# --- The worker. ---
+
+
+def _check_optimizer(name, optimizer):
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            f"`{name}` must be a `keras.optimizers.Optimizer` instance. "
+            f"Received: {name}={optimizer!r}"
+        )
+
+
+def _check_outer_learning_rate(outer_optimizer):
+    # A float32 variable in Keras (a schedule: its rate at step 0).
+    value = np.float32(ops.convert_to_numpy(outer_optimizer.learning_rate))
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(
+            "`outer_optimizer.learning_rate` must be a finite number > 0. "
+            f"Received: outer_optimizer={type(outer_optimizer).__name__} with "
+            f"learning_rate={value!s}"
+        )
+
+
+@keras.saving.register_keras_serializable(package="tf_lars")
+class DiLoCo:
+    """One worker of synchronous DiLoCo, on any Keras backend.
+
+    Each worker takes `sync_every` (H) inner steps with its own inner
+    optimizer, then the workers average their pseudo-gradients
+    `Delta_m = theta - theta_m` (`pseudo_gradient`), and every worker applies
+    the same outer step: the outer optimizer updates its copy of the global
+    parameters `theta` with the mean `Delta`, and `theta` is copied into the
+    worker's variables (`outer_step`). The inner optimizer keeps its state
+    across rounds. The averaging itself is the caller's: an all-reduce across
+    processes, or `simulate_sync` for workers simulated in one process.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer`. Each worker's own
+            optimizer for the inner steps (AdamW in the paper; any Keras or
+            tf_lars optimizer).
+        outer_optimizer: `keras.optimizers.Optimizer` or None. Applied to
+            `theta` with the mean pseudo-gradient as its gradient; its slots
+            are built over `theta`. Defaults to `None`: the paper's
+            `SGD(learning_rate=0.7, momentum=0.9, nesterov=True)`.
+        sync_every: int >= 1. H, the inner steps between outer steps.
+            Defaults to `500` (the paper's).
+        compression: str or None. How pseudo-gradients are exchanged: `None`
+            (as they are), `"bfloat16"`, `"int8"` or `"int4"` (absmax
+            quantization, see `quantize`). Defaults to `None`.
+        granularity: str. `"tensor"` or `"row"`: one quantization scale per
+            tensor or per row. Defaults to `"tensor"`.
+        error_feedback: bool. Adds what compression lost in one round to the
+            next round's pseudo-gradient (`error_feedback_step`); needs
+            `compression`. Defaults to `False`.
+        num_fragments: int in [1, sync_every]. Streaming: the variables split
+            into this many strided fragments, fragment `f` synced at its own
+            offset (`streaming_schedule`). Defaults to `1` (plain DiLoCo).
+        name: str. Defaults to `"diloco"`.
+
+    References:
+        - Douillard et al., 2023. DiLoCo: Distributed Low-Communication
+          Training of Language Models. arXiv:2311.08105.
+        - Douillard et al., 2025. Streaming DiLoCo with overlapping
+          communication. arXiv:2501.18512.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tf_lars.diloco import DiLoCo
+    >>> worker = DiLoCo(keras.optimizers.SGD(0.1), sync_every=2)
+    >>> w = [keras.Variable(np.ones(3, "float32"))]
+    >>> for _ in range(2):
+    ...     worker.apply([np.ones(3, "float32")], w)
+    >>> worker.outer_step(worker.pseudo_gradient(w), w)
+    >>> np.round(keras.ops.convert_to_numpy(w[0]), 4)
+    array([0.734, 0.734, 0.734], dtype=float32)
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        outer_optimizer=None,
+        sync_every=500,
+        compression=None,
+        granularity="tensor",
+        error_feedback=False,
+        num_fragments=1,
+        name="diloco",
+    ):
+        if outer_optimizer is None:
+            outer_optimizer = keras.optimizers.SGD(
+                learning_rate=0.7, momentum=0.9, nesterov=True, name="outer_sgd"
+            )
+        _check_optimizer("inner_optimizer", inner_optimizer)
+        _check_optimizer("outer_optimizer", outer_optimizer)
+        if outer_optimizer is inner_optimizer:
+            raise ValueError(
+                "`outer_optimizer` must be another optimizer than "
+                "`inner_optimizer` (each keeps its own state). Received: "
+                f"outer_optimizer={outer_optimizer!r}, the inner optimizer"
+            )
+        check_inner_learning_rate(inner_optimizer)
+        _check_outer_learning_rate(outer_optimizer)
+        sync_every = check_int("sync_every", sync_every, 1)
+        check_choice("compression", compression, COMPRESSIONS)
+        check_choice("granularity", granularity, GRANULARITIES)
+        check_bool("error_feedback", error_feedback)
+        if error_feedback and compression is None:
+            raise ValueError(
+                "`error_feedback` needs a `compression` (without one nothing "
+                "is lost). Received: error_feedback=True, compression=None"
+            )
+        num_fragments = check_int("num_fragments", num_fragments, 1)
+        if num_fragments > sync_every:
+            raise ValueError(
+                f"`num_fragments` must be <= sync_every ({sync_every}), so "
+                "that each fragment has its own offset. Received: "
+                f"num_fragments={num_fragments}"
+            )
+        self.inner_optimizer = inner_optimizer
+        self.outer_optimizer = outer_optimizer
+        self.sync_every = sync_every
+        self.compression = compression
+        self.granularity = granularity
+        self.error_feedback = error_feedback
+        self.num_fragments = num_fragments
+        self.name = name
+        self.built = False
+
+    def build(self, variables):
+        """Makes `theta` (copies of `variables`), the outer optimizer's slots
+        over it, the error buffers and the inner-step counter."""
+        if self.built:
+            return
+        variables = list(variables)
+        if self.num_fragments > len(variables):
+            raise ValueError(
+                f"`num_fragments` must be <= the number of variables "
+                f"({len(variables)}). Received: num_fragments={self.num_fragments}"
+            )
+        self.global_variables = [
+            keras.Variable(
+                # A copy: on PyTorch a Variable would share the tensor.
+                ops.copy(variable),
+                dtype=variable.dtype,
+                trainable=False,  # updated by the outer step only
+                name=f"global_{index}",
+            )
+            for index, variable in enumerate(variables)
+        ]
+        self.errors = []
+        if self.error_feedback:
+            self.errors = [
+                keras.Variable(
+                    ops.zeros(v.shape, v.dtype), trainable=False, name=f"error_{i}"
+                )
+                for i, v in enumerate(self.global_variables)
+            ]
+        # "int", as Keras's `iterations`: int64, or int32 on JAX without x64.
+        self.inner_steps = keras.Variable(
+            0, dtype="int", trainable=False, name="inner_steps"
+        )
+        self.fragments = streaming_fragments(len(variables), self.num_fragments)
+        self.outer_optimizer.build(self.global_variables)
+        self.built = True
+
+    def apply(self, grads, variables):
+        """One inner step: the inner optimizer's `apply`, counted."""
+        variables = list(variables)
+        self.build(variables)
+        self._check_length("variables", variables, len(self.global_variables))
+        self.inner_optimizer.apply(grads, variables)
+        self.inner_steps.assign_add(1)
+
+    def due_fragments(self):
+        """The fragments to sync now (`streaming_schedule` at `inner_steps`);
+        `[0]` or `[]` with one fragment. Eager: reads the counter."""
+        step = int(ops.convert_to_numpy(self.inner_steps))
+        return streaming_schedule(step, self.num_fragments, self.sync_every)
+
+    def pseudo_gradient(self, variables, fragment=None):
+        """`theta - variables`, over `fragment`'s variables (all if None)."""
+        variables = list(variables)
+        self.build(variables)
+        self._check_length("variables", variables, len(self.global_variables))
+        return [
+            ops.convert_to_tensor(self.global_variables[i])
+            - ops.cast(variables[i], self.global_variables[i].dtype)
+            for i in self._indices(fragment)
+        ]
+
+    def compress(self, pseudo_gradient, fragment=None):
+        """The pseudo-gradient as the other workers receive it, after
+        `compression`; with error feedback, updates this worker's error."""
+        indices = self._indices(fragment)
+        self._check_length("pseudo_gradient", pseudo_gradient, len(indices))
+        if not self.error_feedback:
+            return [
+                round_trip(delta, self.compression, self.granularity)
+                for delta in pseudo_gradient
+            ]
+        sent = []
+        for i, delta in zip(indices, pseudo_gradient, strict=True):
+            delta = ops.convert_to_tensor(delta)
+            value, error = error_feedback_step(
+                delta, self.errors[i], self.compression, self.granularity
+            )
+            self.errors[i].assign(error)
+            sent.append(value)
+        return sent
+
+    def outer_step(self, mean_pseudo_gradient, variables, fragment=None):
+        """Applies the outer optimizer to `theta` with `mean_pseudo_gradient`
+        (already averaged across workers), then copies `theta` into
+        `variables` (over `fragment`'s variables, all if None)."""
+        variables = list(variables)
+        self.build(variables)
+        self._check_length("variables", variables, len(self.global_variables))
+        indices = self._indices(fragment)
+        self._check_length("mean_pseudo_gradient", mean_pseudo_gradient, len(indices))
+        theta = [self.global_variables[i] for i in indices]
+        grads = [
+            ops.cast(delta, target.dtype)
+            for delta, target in zip(mean_pseudo_gradient, theta, strict=True)
+        ]
+        self.outer_optimizer.apply(grads, theta)
+        for i in indices:
+            value = ops.copy(self.global_variables[i])  # never aliased
+            variables[i].assign(ops.cast(value, variables[i].dtype))
+
+    def _indices(self, fragment):
+        if not self.built:
+            raise ValueError(
+                f"{self.name} is not built: call `build(variables)` (or `apply`, "
+                "`pseudo_gradient`) before `compress`."
+            )
+        if fragment is None:
+            return list(range(len(self.global_variables)))
+        if not is_int(fragment) or not 0 <= fragment < self.num_fragments:
+            raise ValueError(
+                f"`fragment` must be an int in [0, {self.num_fragments}). "
+                f"Received: fragment={fragment!r}"
+            )
+        return self.fragments[fragment]
+
+    def _check_length(self, name, values, expected):
+        if len(values) != expected:
+            raise ValueError(
+                f"`{name}` must hold {expected} tensors, one per variable of "
+                f"{self.name}. Received: {len(values)} tensors"
+            )
+
+    def get_config(self):
+        return {
+            "inner_optimizer": _internals.portable_optimizer_config(
+                self.inner_optimizer
+            ),
+            "outer_optimizer": _internals.portable_optimizer_config(
+                self.outer_optimizer
+            ),
+            "sync_every": self.sync_every,
+            "compression": self.compression,
+            "granularity": self.granularity,
+            "error_feedback": self.error_feedback,
+            "num_fragments": self.num_fragments,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        check_config_keys(cls, config)
+        config = dict(config)
+        for key in ("inner_optimizer", "outer_optimizer"):
+            config[key] = keras.saving.deserialize_keras_object(
+                config[key], custom_objects=custom_objects
+            )
+        return cls(**config)
+
+
+def simulate_sync(workers, worker_variables, fragment=None):
+    """One synchronization of workers simulated in one process.
+
+    Each worker's pseudo-gradient (compressed as the worker sends it), their
+    mean, and the same outer step on every worker: what an all-reduce
+    across processes does. Returns the mean pseudo-gradient applied.
+
+    Args:
+        workers: list of `DiLoCo`, one per simulated worker, configured
+            alike.
+        worker_variables: list of variable lists, one per worker, in the
+            same order.
+        fragment: int or None. The fragment to sync; all variables if None.
+    """
+    workers, worker_variables = list(workers), list(worker_variables)
+    if len(workers) != len(worker_variables) or not workers:
+        raise ValueError(
+            "`worker_variables` must hold one variable list per worker. "
+            f"Received: {len(worker_variables)} lists for {len(workers)} workers"
+        )
+    sent = [
+        worker.compress(worker.pseudo_gradient(variables, fragment), fragment)
+        for worker, variables in zip(workers, worker_variables, strict=True)
+    ]
+    mean = [
+        ops.sum(ops.stack(deltas), axis=0) / len(workers)
+        for deltas in zip(*sent, strict=True)
+    ]
+    for worker, variables in zip(workers, worker_variables, strict=True):
+        worker.outer_step(mean, variables, fragment)
+    return mean
