@@ -31,6 +31,8 @@ MATRIX_TESTS = [
     "tests/lamb_test.py",
     "tests/trust_ratio_test.py",
     "tests/loss_scale_test.py",
+    "tests/accumulation_test.py",
+    "tests/optimizer_hostile_test.py",
     "tests/agn_test.py",
     "tests/internals_test.py",
     "tests/saved_across_versions_test.py",
@@ -152,6 +154,9 @@ BACKEND_TESTS = [
     "tests/backends_rules_test.py",
     "tests/backends_loss_scale_test.py",
     "tests/backends_imports_test.py",
+    "tests/accumulation_test.py",
+    "tests/optimizer_hostile_test.py",
+    "tests/diloco_test.py",
 ]
 
 #: backend -> what it installs beside the newest pair. `torch==2.13.0`

@@ -413,6 +413,9 @@ def _keras_optimizer_classes():
 
 # Optimizers that take no per-variable step of their own and are refused.
 _UNWRAPPABLE = ("MultiOptimizer",)
+# Optimizers with a trust ratio of their own, refused: a second ratio on top
+# is no published rule (docs/guides/large-batch.md).
+_OWN_TRUST_RATIO = ("Lamb",)
 
 
 def _make_keras_optimizer(cls):
@@ -454,6 +457,10 @@ def test_discovery_finds_keras_optimizers():
 def test_trust_ratio_around_every_keras_optimizer(cls):
     if cls.__name__ in _UNWRAPPABLE:
         with pytest.raises(ValueError, match=f"{cls.__name__} steps only in its"):
+            tf_lars.TrustRatio(_make_keras_optimizer(cls))
+        return
+    if cls.__name__ in _OWN_TRUST_RATIO:
+        with pytest.raises(ValueError, match="has its own trust ratio"):
             tf_lars.TrustRatio(_make_keras_optimizer(cls))
         return
     with _float64_enabled():

@@ -111,10 +111,21 @@ def adam_moments(state, i, g, b1, b2):
 
 
 # ---------------------------------------------------------------- LAMB family
-def optax_lamb(weights, grads, lr, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.0):
-    """optax.lamb: scale_by_adam (eps after sqrt of nu_hat, eps_root 0), then
-    add_decayed_weights, scale_by_trust_ratio (ratio 1 where either norm is
-    0), then scale by -lr."""
+def optax_lamb(
+    weights,
+    grads,
+    lr,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-6,
+    weight_decay=0.0,
+    eps_root=0.0,
+    mask=None,
+):
+    """optax.lamb: scale_by_adam (eps after sqrt(nu_hat + eps_root)), then
+    add_decayed_weights (only where `mask[i]`, all when None), then
+    scale_by_trust_ratio on every variable (ratio 1 where either norm is 0),
+    then scale by -lr."""
     w = [np.array(x, np.float64) for x in weights]
     mu = [np.zeros_like(x) for x in w]
     nu = [np.zeros_like(x) for x in w]
@@ -124,8 +135,9 @@ def optax_lamb(weights, grads, lr, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.0)
             nu[i] = b2 * nu[i] + (1 - b2) * np.square(g)
             mu_hat = mu[i] / (1 - b1**count)
             nu_hat = nu[i] / (1 - b2**count)
-            update = mu_hat / (np.sqrt(nu_hat + 0.0) + eps)
-            update = update + weight_decay * w[i]
+            update = mu_hat / (np.sqrt(nu_hat + eps_root) + eps)
+            if mask is None or mask[i]:
+                update = update + weight_decay * w[i]
             param_norm, update_norm = _norm(w[i]), _norm(update)
             zero = param_norm == 0.0 or update_norm == 0.0
             update = update * (1.0 if zero else param_norm / update_norm)

@@ -9,6 +9,9 @@ in `build()`, from the Keras variables: on the TensorFlow backend
 
 import re
 
+import keras
+import numpy as np
+
 from tf_lars import _internals
 
 #: Entry for `exclude_from_weight_decay` / `exclude_from_layer_adaptation`
@@ -23,20 +26,31 @@ SOURCE_PATH_ATTRIBUTE = "_tf_lars_source_path"
 
 
 def check_patterns(name, value):
-    """Normalizes an exclusion list to a tuple of valid regexes.
+    """Normalizes an exclusion list to a tuple of valid regexes, or a callable.
+
+    A callable (optax's masks, ported: `lambda v: not mask(v)`) is kept as
+    it is: it is called with each Keras variable in `build()` and returns
+    whether that variable is excluded. A serialized function (what
+    `get_config()` writes for one) is deserialized.
 
     Raises:
         ValueError: naming `name` and the received value, if `value` is not
-            None, a string or a list of strings that compile as regexes.
+            None, a string, a list of strings that compile as regexes, or a
+            callable.
     """
     if value is None:
         return ()
+    if isinstance(value, dict) and value.get("class_name") == "function":
+        value = keras.saving.deserialize_keras_object(value)
+    if callable(value):
+        return value
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list | tuple):
         raise ValueError(
-            f"`{name}` must be None, a string or a list of strings (regular "
-            f"expressions matched against `variable.path`). "
+            f"`{name}` must be None, a string, a list of strings (regular "
+            f"expressions matched against `variable.path`) or a callable of "
+            f"the variable. "
             f"Received: {name}={value!r}"
         )
     patterns = []
@@ -86,8 +100,17 @@ def mark_stand_in(copy, reference):
     return copy
 
 
-def matches(patterns, variable):
-    """Whether any entry of `patterns` names `variable`."""
+def matches(patterns, variable, name="exclusions"):
+    """Whether any entry of `patterns` names `variable` (or, for a callable,
+    whether it returns True for it; `name` is the argument, for its error)."""
+    if callable(patterns):
+        excluded = patterns(variable)
+        if not isinstance(excluded, bool | np.bool_):
+            raise ValueError(
+                f"`{name}` must return a bool for each variable. Received: "
+                f"{excluded!r} for the variable {variable_path(variable)!r}"
+            )
+        return bool(excluded)
     path = variable_path(variable)
     for pattern in patterns:
         if pattern == ALL_1D:
@@ -130,12 +153,17 @@ class LayerwiseExclusions:
         self._variable_weight_decay = [
             self.weight_decay
             if _internals.uses_weight_decay(self, v)
-            and not matches(self._weight_decay_exclusions, v)
+            and not matches(
+                self._weight_decay_exclusions, v, "exclude_from_weight_decay"
+            )
             else 0.0
             for v in variables
         ]
         self._variable_adapted = [
-            not matches(self._layer_adaptation_exclusions, v) for v in variables
+            not matches(
+                self._layer_adaptation_exclusions, v, "exclude_from_layer_adaptation"
+            )
+            for v in variables
         ]
         self.trust_ratio_paths = [variable_path(v) for v in variables]
         self.trust_ratios = self.add_variable(
@@ -147,12 +175,24 @@ class LayerwiseExclusions:
         )
 
     def _exclusions_config(self):
-        """The two constructor arguments, as `get_config()` reports them."""
+        """The two constructor arguments, as `get_config()` reports them.
+
+        A callable is written as Keras serializes a function: by its
+        registered name (`keras.saving.register_keras_serializable`), which
+        is what loading it needs.
+        """
         return {
-            "exclude_from_weight_decay": list(self._weight_decay_exclusions) or None,
+            "exclude_from_weight_decay": _config_of(self._weight_decay_exclusions)
+            or None,
             "exclude_from_layer_adaptation": (
                 None
                 if self._adaptation_exclusions_given is None
-                else list(self._layer_adaptation_exclusions)
+                else _config_of(self._layer_adaptation_exclusions)
             ),
         }
+
+
+def _config_of(exclusions):
+    if callable(exclusions):
+        return keras.saving.serialize_keras_object(exclusions)
+    return list(exclusions)

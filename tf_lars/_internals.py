@@ -88,7 +88,8 @@ The accesses:
    `check_variables_are_known`, `learning_rate_setting`,
    `iterations_variable`, `adam_slots`, `overwrites_with_gradient`) and the
    hooks LARS and TrustRatio override (`OVERRIDDEN_HOOKS`:
-   `_backend_update_step`, `_apply_weight_decay`): a Keras optimizer
+   `_backend_update_step`, `_apply_weight_decay`, and LARS's
+   `_get_current_learning_rate`, `learning_rate_at_update_count`): a Keras optimizer
    subclass that updates several variables at once (LARS's batched trust
    ratios, LAMB's fused Adam step) needs the per-variable index, the slots
    and the TensorFlow backend's all-reduce; Keras exposes them only to its
@@ -620,6 +621,24 @@ def iterations_variable(optimizer):
     return private_member(optimizer, "_iterations", "AGN")
 
 
+def learning_rate_at_update_count(optimizer):
+    """The current learning rate, a schedule evaluated at the count of updates.
+
+    Keras's `Optimizer._get_current_learning_rate` (the `learning_rate`
+    property) calls a schedule with `_iterations`, which counts micro-batches
+    when `gradient_accumulation_steps = k` is set (Keras 3.8 to 3.15): the
+    schedule would run k times too fast. Here it is called with
+    `_iterations // k`, the number of updates taken so far, so that k
+    accumulated micro-batches take the step one big batch would.
+    """
+    setting = learning_rate_setting(optimizer)
+    steps = optimizer.gradient_accumulation_steps
+    if steps and isinstance(setting, keras.optimizers.schedules.LearningRateSchedule):
+        micro_steps = private_member(optimizer, "_iterations", _OPTIMIZERS)
+        return setting(keras.ops.floor_divide(micro_steps, steps))
+    return keras.optimizers.Optimizer._get_current_learning_rate(optimizer)
+
+
 def adam_slots(optimizer, index):
     """`Adam._momentums[index]`, `Adam._velocities[index]`: LAMB's m and v."""
     momentums = private_member(optimizer, "_momentums", "LAMB")
@@ -683,6 +702,7 @@ def portable_optimizer_config(optimizer):
 OVERRIDDEN_HOOKS = {
     "_backend_update_step": ("grads", "trainable_variables", "learning_rate"),
     "_apply_weight_decay": ("variables",),
+    "_get_current_learning_rate": (),
 }
 
 

@@ -39,6 +39,11 @@ def is_sparse(gradient):
 # ------------------------------------------------------------------- norms
 
 
+#: Tensors of fewer elements have their norms summed stacked with the
+#: others of their shape (`norm_groups`).
+STACKED_BELOW = 4096
+
+
 def _rescaled_norm(tensor):
     """`|x| = m * |x / m|` with `m = max |x_i|`: no square overflows or
     underflows, so the norm is right wherever it is representable."""
@@ -66,6 +71,31 @@ def recomputes_for_norms(tensor):
     return isinstance(tensor, jax.core.Tracer)
 
 
+def batches_trust_ratios(gradients):
+    """Whether `TrustRatio` takes steps 3 and 4 of every variable together.
+
+    Yes when a compiler sees the whole step: under `jax.jit` (the gradients
+    are traced), under `torch.compile`, and under XLA on TensorFlow
+    (`tf_lars._tf_fast.batches_trust_ratios`). One `norms` call and one
+    record then serve every variable, where one each made the compiled
+    program, and its compile time, grow several times faster with the
+    number of variables than Keras's optimizers' (and, under
+    `torch.compile`, recompiled per variable shape). Not when each op runs
+    on its own: there every direction would be kept until the last one is
+    known, instead of each being freed after its variable's step.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return bool(gradients) and isinstance(gradients[0], jax.core.Tracer)
+    if backend == "torch":
+        import torch
+
+        return torch.compiler.is_compiling()
+    return False
+
+
 def apart(tensors):
     """`tensors` unchanged, as values a compiler will not merge with others.
 
@@ -90,6 +120,68 @@ def value_of(tensor):
     return tensor() if callable(tensor) else tensor
 
 
+def norm_groups(tensors):
+    """Positions of `tensors` in the groups whose norms are computed together.
+
+    Every tensor of fewer than `STACKED_BELOW` elements joins the others of
+    its shape; each larger tensor is a group of its own (stacking it would
+    copy it). A compiler then builds one reduction per group instead of one
+    per tensor: a model's hundreds of small variables (biases, scales)
+    share a few shapes, and XLA's compile time and memory grew several
+    times faster with the number of reductions than with the variables
+    themselves (docs/guides/benchmarks.md, "Compile time").
+    """
+    groups = {}
+    for position, tensor in enumerate(tensors):
+        shape = tuple(tensor.shape)
+        small = None not in shape and int(np.prod(shape)) < STACKED_BELOW
+        groups.setdefault(shape if small else position, []).append(position)
+    return list(groups.values())
+
+
+def stacked(tensors, group):
+    """The tensors at the positions of `group` (one shape) as `[k, size]` rows."""
+    return ops.concatenate(
+        [ops.reshape(tensors[position], [1, -1]) for position in group]
+    )
+
+
+def stacked_groups(tensors):
+    """`norm_groups` of `tensors` (values, not functions) and the `stacked`
+    rows of each group (None for a group of one)."""
+    groups = norm_groups(tensors)
+    rows = [None if len(group) == 1 else stacked(tensors, group) for group in groups]
+    return groups, rows
+
+
+def group_norms(tensors, groups, rows, one, stacked_rows):
+    """One vector of `one(tensor)` for each group of one and `stacked_rows`
+    of each group's `rows`, in the order of `tensors` (entries may be
+    functions, called here)."""
+    parts = [
+        ops.reshape(one(value_of(tensors[group[0]])), [1])
+        if matrix is None
+        else stacked_rows(matrix)
+        for group, matrix in zip(groups, rows, strict=True)
+    ]
+    joined = parts[0] if len(parts) == 1 else ops.concatenate(parts)
+    order = [position for group in groups for position in group]
+    if order == sorted(order):
+        return joined
+    return ops.take(joined, ops.convert_to_tensor(np.argsort(order), "int32"))
+
+
+def _rescaled_norms(rows):
+    """`_rescaled_norm` of each row of `rows` (`stacked`), as one vector."""
+    peaks = ops.max(ops.abs(rows), axis=1)
+    peaks = ops.where(peaks > 0, peaks, ops.ones_like(peaks))
+    # Divided by sqrt(peak) twice: XLA turns a division by a broadcast into
+    # a product with its reciprocal, and 1 / peak is subnormal (flushed to
+    # 0) for peaks above 2**126.
+    root = ops.sqrt(peaks)[:, None]
+    return peaks * ops.sqrt(ops.sum(ops.square(rows / root / root), axis=1))
+
+
 def norms(tensors):
     """Euclidean norms of `tensors` (one float dtype) as one vector.
 
@@ -97,19 +189,30 @@ def norms(tensors):
     (its squares may have underflowed), is recomputed scaled by the largest
     entry, so entries of 1e19 or 1e-30 in float32 give their true norm
     instead of inf or 0; one `ops.cond` runs that only when one needs it.
+    Small tensors are summed stacked by shape (`norm_groups`).
 
     An entry may be a function that returns the tensor: it is called where
     each norm is computed, so a compiler reads the tensor's inputs there
     instead of keeping the tensor in memory (`tf_lars.lamb.lamb_direction`).
     """
-    squares = ops.stack([ops.sum(ops.square(value_of(tensor))) for tensor in tensors])
+    values = [value_of(tensor) for tensor in tensors]
+    groups, rows = stacked_groups(values)
+    squares = group_norms(
+        values,
+        groups,
+        rows,
+        lambda tensor: ops.sum(ops.square(tensor)),
+        lambda matrix: ops.sum(ops.square(matrix), axis=1),
+    )
     dtype = np.dtype(keras.backend.standardize_dtype(squares.dtype))
     lost_range = ops.logical_or(
         ops.logical_not(ops.isfinite(squares)), squares < np.finfo(dtype).tiny
     )
 
     def rescale_lost():
-        rescaled = ops.stack([_rescaled_norm(value_of(t)) for t in tensors])
+        # A group of one computes its tensor again here (see above); the
+        # stacked rows are small, and shared with the fast path.
+        rescaled = group_norms(tensors, groups, rows, _rescaled_norm, _rescaled_norms)
         return ops.where(lost_range, rescaled, ops.sqrt(squares))
 
     return ops.cond(ops.any(lost_range), rescale_lost, lambda: ops.sqrt(squares))
@@ -128,18 +231,26 @@ def trust_ratio(weight_norm, update_norm, trust_coefficient, epsilon, defined=No
     if defined is None:
         defined = ops.logical_and(weight_norm > 0, update_norm > 0)
     one = ops.ones_like(weight_norm)
+    numerator = ops.where(defined, trust_coefficient * weight_norm, one)
     denominator = ops.where(defined, update_norm + epsilon, one)
-    return ops.where(defined, trust_coefficient * weight_norm / denominator, one)
+    # The division last (1 / 1 where undefined): XLA copies cheap ops such
+    # as selects into each consumer, here every variable's update, but
+    # never a division; so each update reads its ratio from one vector.
+    return numerator / denominator
 
 
 def record_trust_ratios(optimizer, indices, ratios):
-    """Writes `ratios` at `indices` of `optimizer.trust_ratios` (one assign).
+    """Writes `ratios` (scalars, or one vector) at `indices` of
+    `optimizer.trust_ratios` (one assign).
 
     A full assign rather than a scatter: what mirrored variables support
     from replica context, and what `stateless_apply` records.
     """
     positions = ops.convert_to_tensor([[index] for index in indices], "int32")
-    values = ops.stack([ops.cast(ratio, "float32") for ratio in ratios])
+    if isinstance(ratios, list | tuple):
+        values = ops.stack([ops.cast(ratio, "float32") for ratio in ratios])
+    else:
+        values = ops.cast(ratios, "float32")
     current = ops.convert_to_tensor(optimizer.trust_ratios)
     optimizer.assign(
         optimizer.trust_ratios, ops.scatter_update(current, positions, values)

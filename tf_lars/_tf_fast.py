@@ -108,20 +108,47 @@ def recomputes_for_norms(tensor):
     return _internals.in_xla_context()
 
 
+def batches_trust_ratios(gradients):
+    """Under XLA (`jit_compile`) and outside `tf.distribute`:
+    `tf_lars._rules.batches_trust_ratios`. A strategy takes each variable's
+    step in its own update context (`extended.update`), so there every
+    variable's ratio is taken with its step."""
+    del gradients  # the XLA context decides
+    return _internals.in_xla_context() and not tf.distribute.has_strategy()
+
+
+def _rescaled_norms(rows):
+    """`_rescaled_norm` of each row of `rows` (`_rules.stacked`), as one vector."""
+    peaks = tf.reduce_max(tf.abs(rows), axis=1)
+    peaks = tf.where(peaks > 0, peaks, tf.ones_like(peaks))
+    root = tf.sqrt(peaks)[:, None]  # twice, as in `tf_lars._rules._rescaled_norms`
+    return peaks * tf.sqrt(tf.reduce_sum(tf.square(rows / root / root), axis=1))
+
+
 def norms(tensors):
     """Euclidean norms of `tensors` (same float dtype) as one vector.
 
     An entry may be a function returning the tensor, called where each norm
     is computed (`tf_lars._rules.norms` says why).
 
-    The fast path is `sqrt(squared_norm(x))`. A squared norm that is not
+    The fast path is `sqrt(squared_norm(x))`; tensors under
+    `_rules.STACKED_BELOW` elements are summed stacked by shape, one
+    reduction per shape (`_rules.norm_groups`). A squared norm that is not
     finite, or below the smallest normal float, is recomputed scaled by the
     largest entry (`_rescaled_norm`), so entries of 1e19 or 1e-30 in
     float32 give their true norm instead of inf or 0. The check is one
     vector comparison; a `tf.cond` (XLA-compatible) runs the rescaling only
     when one needs it.
     """
-    squares = tf.stack([squared_norm(_rules.value_of(t)) for t in tensors])
+    values = [_rules.value_of(t) for t in tensors]
+    groups, rows = _rules.stacked_groups(values)
+    squares = _rules.group_norms(
+        values,
+        groups,
+        rows,
+        squared_norm,
+        lambda matrix: tf.reduce_sum(tf.square(matrix), axis=1),
+    )
     bad = _needs_rescale(squares)
 
     def rescale_bad():
@@ -129,7 +156,9 @@ def norms(tensors):
         # `tf.where` keeps the fast norm where it was fine. One branch, not
         # one `tf.cond` per tensor: hundreds of nested conditionals made
         # the step several times slower to build and run without XLA.
-        rescaled = tf.stack([_rescaled_norm(_rules.value_of(t)) for t in tensors])
+        rescaled = _rules.group_norms(
+            tensors, groups, rows, _rescaled_norm, _rescaled_norms
+        )
         return tf.where(bad, rescaled, tf.sqrt(squares))
 
     return tf.cond(tf.reduce_any(bad), rescale_bad, lambda: tf.sqrt(squares))

@@ -8,6 +8,8 @@ import inspect
 import math
 import numbers
 
+import numpy as np
+
 #: The largest finite float32. Learning rates, decays and coefficients live
 #: in float32 variables or are cast to float32 in the step; a Python float
 #: beyond this is finite in Python but `inf` there, so it is refused as
@@ -122,3 +124,60 @@ def check_config_keys(cls, config):
             f"Unknown key(s) in {cls.__name__} config: {unknown}. "
             f"Received: {received}. Valid keys: {sorted(known)}"
         )
+
+
+def check_gradient_shapes(grads, variables):
+    """Refuses a dense gradient whose shape is not its variable's.
+
+    Without this check `g + wd * w` and the trust ratio's norms broadcast a
+    (3,) gradient over a (3, 3) variable silently; Keras's own optimizers
+    fail on the write. Unknown dimensions (a traced shape) are not compared.
+    Sparse gradients (`tf.IndexedSlices`) are checked row-wise: their
+    values' trailing shape must be the variable's.
+    """
+    from tf_lars._wrapper import is_indexed_slices  # imports Keras: not at load
+
+    for gradient, variable in zip(grads, variables, strict=True):
+        if gradient is None:
+            continue
+        expected = tuple(variable.shape)
+        if is_indexed_slices(gradient):  # sparse rows
+            received, expected = tuple(gradient.values.shape)[1:], expected[1:]
+        else:  # a tensor, or a nested Python list
+            shape = getattr(gradient, "shape", None)
+            if shape is not None and getattr(shape, "rank", 0) is None:
+                continue  # a traced tensor of unknown rank
+            received = tuple(np.shape(gradient) if shape is None else shape)
+        compatible = len(received) == len(expected) and all(
+            a is None or b is None or int(a) == int(b)
+            for a, b in zip(received, expected, strict=True)
+        )
+        if not compatible:
+            path = getattr(variable, "path", None) or variable.name
+            raise ValueError(
+                "Each gradient must have its variable's shape. Received: a "
+                f"gradient of shape {received} for the variable "
+                f"{path!r} of shape {tuple(variable.shape)}"
+            )
+
+
+class ShapeCheckedApply:
+    """Mixin: `apply` refuses gradients whose shapes are not their variables'.
+
+    Checked before anything else runs (gradient accumulation would broadcast
+    the wrong shape into its accumulator too). Put it before the Keras
+    optimizer in the bases.
+    """
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            check_gradient_shapes(grads, trainable_variables)
+        elif self.built:
+            from tf_lars import _internals
+
+            known = list(_internals.trainable_variables_of(self))
+            if len(grads) == len(known):
+                check_gradient_shapes(grads, known)
+        return super().apply(grads, trainable_variables)

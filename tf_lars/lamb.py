@@ -36,11 +36,40 @@ class LambAdam(keras.optimizers.Adam):
     ```
     """
 
-    def __init__(self, *args, name=None, **kwargs):
+    def __init__(self, *args, eps_root=0.0, name=None, **kwargs):
         # Keras 3.5 to 3.11's Adam defaults to name="adam", so two LAMBs' slot
         # paths collide; None auto-names ("lamb_adam", "lamb_adam_1"), as
         # Keras 3.15 does.
         super().__init__(*args, name=name, **kwargs)
+        self.eps_root = eps_root
+
+    @property
+    def fusable(self):
+        """Whether TensorFlow's fused Adam kernel computes this direction:
+        it has no `eps_root`, and divides 0 by 0 where `epsilon` is 0."""
+        return self.eps_root == 0.0 and self.epsilon != 0.0
+
+    def divide(self, m, v, epsilon):
+        """`m / (sqrt(v + eps_root (1 - b2**t)) + epsilon)`, 0 where that is 0 / 0.
+
+        `sqrt(v_hat + eps_root) = sqrt(v + eps_root (1 - b2**t)) / sqrt(1 -
+        b2**t)`: optax's `eps_root` with the bias correction folded as in
+        `direction`. With both epsilons 0 a variable whose gradients were
+        all 0 has `m = v = 0`: its direction is 0, not NaN.
+        """
+        if self.eps_root != 0.0:
+            dtype = keras.backend.standardize_dtype(v.dtype)
+            scalar = _rules.compute_dtype(dtype)
+            shift = ops.convert_to_tensor(self.eps_root, scalar) * ops.square(
+                self._root_2(dtype)
+            )
+            v = v + ops.cast(shift, dtype)
+        denominator = ops.sqrt(v) + epsilon
+        if self.eps_root == 0.0 and self.epsilon == 0.0:
+            denominator = ops.where(
+                denominator > 0, denominator, ops.ones_like(denominator)
+            )
+        return m / denominator
 
     def update_step(self, gradient, variable, learning_rate):
         scale, direction = self.direction(gradient, variable, learning_rate)
@@ -70,7 +99,7 @@ class LambAdam(keras.optimizers.Adam):
             self.assign_add(m, (gradient - m) * one_minus_1)
             self.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
         epsilon = self.bias_corrected_epsilon(dtype)
-        return self.direction_scale(dtype, learning_rate), m / (ops.sqrt(v) + epsilon)
+        return self.direction_scale(dtype, learning_rate), self.divide(m, v, epsilon)
 
     def moments(self, variable):
         """The values of `m` and `v` of `variable` (after `direction`)."""
@@ -136,7 +165,7 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
         # barrier around the scalars alone did not stop that;
         # docs/guides/backends.md).
         kept = _rules.apart([v, *scalars])  # v, epsilon, the decay factor
-        again = m / (ops.sqrt(ops.abs(kept[0])) + kept[1])
+        again = adam.divide(m, ops.abs(kept[0]), kept[1])
         if decay == 0.0:
             return again
         return again + kept[2] * weights
@@ -193,14 +222,20 @@ class LAMB(TrustRatio):
             Defaults to `1e-6` (optax, timm, tensorflow-addons).
         weight_decay: float >= 0. LAMB's decay `wd`, inside the ratio (never
             Keras's decoupled one). Defaults to `0.0`.
-        exclude_from_weight_decay: list of str or None. Regular expressions
-            searched in each `variable.path`; `"<1d>"` names every variable
-            of rank <= 1. Defaults to `None`.
-        exclude_from_layer_adaptation: list of str or None. Same form;
-            matching variables use `T = 1`. Defaults to `None`: the
-            weight-decay list (pass `[]` to adapt every variable).
+        exclude_from_weight_decay: list of str, callable or None. Regular
+            expressions searched in each `variable.path`; `"<1d>"` names
+            every variable of rank <= 1; a callable takes the Keras variable
+            and returns True to exclude it. Defaults to `None`.
+        exclude_from_layer_adaptation: list of str, callable or None. Same
+            form; matching variables use `T = 1`. Defaults to `None`: the
+            weight-decay list, as Model Garden and tensorflow-addons do
+            (optax's `lamb` adapts every variable: pass `[]`; see
+            docs/algorithms.md, "Exclusion lists and masks").
         trust_coefficient: float > 0. Defaults to `1.0`.
         trust_clip: bool. `T = min(T, 1)` (timm). Defaults to `False`.
+        eps_root: float >= 0. Added to `v_hat` inside the square root:
+            `m_hat / (sqrt(v_hat + eps_root) + epsilon)` (optax's
+            `eps_root`). Defaults to `0.0`.
         clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
         ema_overwrite_frequency, loss_scale_factor,
         gradient_accumulation_steps: the `keras.optimizers.Optimizer` base
@@ -234,6 +269,7 @@ class LAMB(TrustRatio):
         exclude_from_layer_adaptation=None,
         trust_coefficient=1.0,
         trust_clip=False,
+        eps_root=0.0,
         clipnorm=None,
         clipvalue=None,
         global_clipnorm=None,
@@ -251,6 +287,7 @@ class LAMB(TrustRatio):
             beta_1=check_number("beta_1", beta_1, low=0.0, high=1.0),
             beta_2=check_number("beta_2", beta_2, low=0.0, high=1.0),
             epsilon=check_number("epsilon", epsilon, low=0.0),
+            eps_root=check_number("eps_root", eps_root, low=0.0),
         )
         super().__init__(
             adam,
@@ -294,7 +331,11 @@ class LAMB(TrustRatio):
         index = _internals.variable_index(self, variable)
         decay = self._variable_weight_decay[index]
         # Steps 1 and 2: m, v and lr * (m_hat / (sqrt(v_hat) + eps) + wd w).
-        if self._direction_buffers is not None and _kernels.lamb_fusable(variable):
+        if (
+            self._direction_buffers is not None
+            and self.inner_optimizer.fusable
+            and _kernels.lamb_fusable(variable)
+        ):
             direction_of = _kernels.lamb_direction
         else:
             direction_of = lamb_direction
@@ -317,6 +358,11 @@ class LAMB(TrustRatio):
         """Adam's `epsilon` (LAMB's ratio has none)."""
         return self.inner_optimizer.epsilon
 
+    @property
+    def eps_root(self):
+        """Added to `v_hat` inside the square root (optax's `eps_root`)."""
+        return self.inner_optimizer.eps_root
+
     def get_config(self):
         config = self._trust_ratio_config()
         del config["epsilon"]
@@ -325,6 +371,7 @@ class LAMB(TrustRatio):
             "beta_1": self.beta_1,
             "beta_2": self.beta_2,
             "epsilon": self.epsilon,
+            "eps_root": self.eps_root,
             **config,
             "name": self.name,
         }

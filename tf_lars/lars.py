@@ -17,6 +17,7 @@ from tf_lars._exclusions import (
     LayerwiseExclusions,
 )
 from tf_lars._validation import (
+    ShapeCheckedApply,
     check_bool,
     check_choice,
     check_config_keys,
@@ -51,7 +52,7 @@ def _decayed(gradient, variable, decay, dtype):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LARS(LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
+class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Scaling (LARS).
 
     Each dense variable gets its own trust ratio from the norms of the
@@ -86,15 +87,18 @@ class LARS(LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
             applied. Defaults to `True`.
         trust_clip: bool. LARC clip mode: the local rate is `min(T, lr)`.
             Defaults to `False`.
-        exclude_from_weight_decay: list of str or None. Regular expressions
-            searched (`re.search`) in each `variable.path`
+        exclude_from_weight_decay: list of str, callable or None. Regular
+            expressions searched (`re.search`) in each `variable.path`
             (e.g. `"dense/bias"`); matching variables get no weight decay.
             The entry `"<1d>"` (`tf_lars.lars.ALL_1D`) matches every variable
-            of rank <= 1. Defaults to `None`.
-        exclude_from_layer_adaptation: list of str or None. Same form;
-            matching variables use `T = 1`. Defaults to `None`, which means
-            the same list as `exclude_from_weight_decay` (the Model Garden
-            and optax convention); pass `[]` to adapt every variable.
+            of rank <= 1. A callable takes the Keras variable and returns
+            True to exclude it. Defaults to `None`.
+        exclude_from_layer_adaptation: list of str, callable or None. Same
+            form; matching variables use `T = 1`. Defaults to `None`, which
+            means the same list as `exclude_from_weight_decay` (the Model
+            Garden convention; optax's two masks are independent: see
+            docs/algorithms.md, "Exclusion lists and masks"); pass `[]` to
+            adapt every variable.
         {{base_optimizer_keyword_args}}
 
     Besides the constructor arguments, `jit_compile` (attribute, default
@@ -209,6 +213,13 @@ class LARS(LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
         # LARS's weight decay is coupled (steps 1 and 2); the base class's
         # decoupled decay must never run on top of it.
         return
+
+    def _get_current_learning_rate(self):
+        # With `gradient_accumulation_steps`, a schedule is evaluated at the
+        # count of updates, as for one big batch (Keras's base class counts
+        # micro-batches); TrustRatio and LAMB get this from their inner
+        # optimizer, which counts updates only.
+        return _internals.learning_rate_at_update_count(self)
 
     # ------------------------------------------------------- the update rule
     #: The norms of step 2 (`_rules.norms`, or TensorFlow's folded ones).

@@ -91,6 +91,36 @@ def _unscale(gradient, scale):
     return ops.cast(unscaled, dtype)
 
 
+def _as_applied(gradient, variable):
+    """`gradient` in the dtype the inner optimizer applies it in: the
+    variable's, where that is another float type (a float32 gradient of a
+    float16 variable overflows there, not before)."""
+    if gradient is None:
+        return None
+    dtype = keras.backend.standardize_dtype(variable.dtype)
+    if is_indexed_slices(gradient):
+        values = _as_applied(gradient.values, variable)
+        return type(gradient)(values, gradient.indices, gradient.dense_shape)
+    if keras.backend.standardize_dtype(gradient.dtype) == dtype:
+        return gradient
+    return ops.cast(gradient, dtype)
+
+
+def _check_float_gradients(grads, variables):
+    """Refuses a gradient that is not floating point (it cannot be unscaled)."""
+    for gradient, variable in zip(grads, variables, strict=True):
+        if gradient is None:
+            continue
+        values = gradient.values if is_indexed_slices(gradient) else gradient
+        dtype = keras.backend.standardize_dtype(values.dtype)
+        if "float" not in dtype:
+            raise ValueError(
+                "`grads` must be floating-point: an integer or bool gradient "
+                "cannot be unscaled. Received: a gradient of dtype "
+                f"{dtype} for the variable {getattr(variable, 'path', variable.name)!r}"
+            )
+
+
 def _snapshot(variable):
     """The variable's current value, kept apart from later in-place updates.
 
@@ -299,6 +329,9 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
                 "optimizer must already be built. Call "
                 "`optimizer.build(trainable_variables)` first."
             )
+        _check_float_gradients(
+            grads, trainable_variables or _internals.trainable_variables_of(self)
+        )
         if on_tensorflow():
             self._apply_on_tensorflow(grads, trainable_variables)
         else:
@@ -341,14 +374,23 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         # The wrapper's own `_iterations` never moves; report the inner one.
         return self.iterations
 
-    def _unscaled(self, grads, variables):
+    def _unscale_and_check(self, grads, variables):
+        """The unscaled gradients, and whether every one is finite.
+
+        The check is on what the inner optimizer applies, not on the scaled
+        gradient: at a scale near its floor (or below 1) a finite scaled
+        gradient can overflow when divided, and a float32 gradient of a
+        float16 variable can overflow when cast.
+        """
         scale = self.dynamic_scale.value
-        return [
+        unscaled = [
             g
             if g is None or _internals.overwrites_with_gradient(self, v)
             else _unscale(g, scale)
             for g, v in zip(grads, variables, strict=True)
         ]
+        applied = [_as_applied(g, v) for g, v in zip(unscaled, variables, strict=True)]
+        return unscaled, self.check_finite(applied)
 
     # ------------------------------------------- JAX and PyTorch: selection
     def _apply_and_select(self, grads, trainable_variables):
@@ -361,8 +403,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         on JAX; under `jax.jit` XLA fuses the selection into the update.
         """
         variables = trainable_variables or _internals.trainable_variables_of(self)
-        finite = self.check_finite(grads)
-        unscaled = self._unscaled(grads, variables)
+        unscaled, finite = self._unscale_and_check(grads, variables)
         state = [*variables, *self.inner_optimizer.variables]
         before = [_snapshot(v) for v in state]
         self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
@@ -401,23 +442,26 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         # inside the inner optimizer): each replica's verdict is combined
         # before branching, or one replica's inf would reach the variables
         # through the others' summed gradient.
-        non_finite = tf.cast(tf.logical_not(self.check_finite(grads)), tf.float32)
+        variables = trainable_variables or _internals.trainable_variables_of(self)
+        unscaled, finite = self._unscale_and_check(grads, variables)
+        non_finite = tf.cast(tf.logical_not(finite), tf.float32)
         if _internals.strategy_supports_no_merge_call():
             context = tf.distribute.get_replica_context()
             if context.num_replicas_in_sync > 1:
                 non_finite = context.all_reduce(tf.distribute.ReduceOp.SUM, non_finite)
-            self._apply_or_skip(tf.equal(non_finite, 0.0), grads, trainable_variables)
+            finite = tf.equal(non_finite, 0.0)
+            self._apply_or_skip(finite, unscaled, trainable_variables)
         else:
             # The inner optimizer's update calls `merge_call`, which may not
             # sit inside a `tf.cond` in replica context: branch in
             # cross-replica context and re-enter the replicas for the update.
             tf.distribute.get_replica_context().merge_call(
                 self._cross_replica_apply_or_skip,
-                args=(non_finite, grads, trainable_variables),
+                args=(non_finite, unscaled, trainable_variables),
             )
 
     def _cross_replica_apply_or_skip(
-        self, distribution, non_finite, grads, trainable_variables
+        self, distribution, non_finite, unscaled, trainable_variables
     ):
         import tensorflow as tf
 
@@ -432,23 +476,21 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
 
         def apply_unscaled():
             distribution.extended.call_for_each_replica(
-                self._apply_unscaled, args=(grads, trainable_variables)
+                self._apply_unscaled, args=(unscaled, trainable_variables)
             )
 
         tf.cond(tf.equal(non_finite, 0.0), apply_unscaled, self._skip_step)
 
-    def _apply_or_skip(self, finite, grads, trainable_variables):
+    def _apply_or_skip(self, finite, unscaled, trainable_variables):
         import tensorflow as tf
 
         tf.cond(
             finite,
-            lambda: self._apply_unscaled(grads, trainable_variables),
+            lambda: self._apply_unscaled(unscaled, trainable_variables),
             self._skip_step,
         )
 
-    def _apply_unscaled(self, grads, trainable_variables):
-        variables = trainable_variables or _internals.trainable_variables_of(self)
-        unscaled = self._unscaled(grads, variables)
+    def _apply_unscaled(self, unscaled, trainable_variables):
         self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
         if self.dynamic:
             self._count_finite_step()

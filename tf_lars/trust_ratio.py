@@ -13,6 +13,7 @@ from keras import ops
 from tf_lars import _internals, _rules
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
+    ShapeCheckedApply,
     check_bool,
     check_config_keys,
     check_inner_learning_rate,
@@ -42,6 +43,9 @@ def _check_inner_optimizer(inner_optimizer):
     from tf_lars.lars import LARS
 
     refused = (keras.optimizers.LossScaleOptimizer, TrustRatio, LARS)
+    # Keras's own `Lamb` already applies a trust ratio: a second one on top
+    # of it is no published rule (`tf_lars.LAMB` is the wrapped Adam).
+    refused += (keras.optimizers.Lamb,) if hasattr(keras.optimizers, "Lamb") else ()
     if keras.backend.backend() == "tensorflow":  # AGN exists there only.
         from tf_lars.agn import AGN
 
@@ -55,8 +59,9 @@ def _check_inner_optimizer(inner_optimizer):
     if isinstance(inner_optimizer, refused):
         raise ValueError(
             "`inner_optimizer` must be a plain Keras optimizer (SGD, Adam, "
-            "AdamW, Lion, ...), not a loss-scale, AGN, LARS or TrustRatio "
-            "optimizer: wrap the TrustRatio in those instead. "
+            "AdamW, Lion, ...), not a loss-scale, AGN, LARS, TrustRatio or "
+            "Lamb optimizer (Keras's `Lamb` has its own trust ratio; use "
+            "`tf_lars.LAMB`, or wrap the TrustRatio in the others). "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
     for argument in _OUTER_ARGUMENTS:
@@ -94,6 +99,14 @@ def _same_variable(a, b):
     # TensorFlow hands `update_step` the backing `tf.Variable` of a Keras one.
     unwrap = lambda x: x.value if isinstance(x, keras.Variable) else x  # noqa: E731
     return unwrap(a) is unwrap(b)
+
+
+def _cast(tensor, dtype):
+    """`tensor` cast to `dtype`; a function returning it (see `_rules.norms`)
+    stays a function, returning it cast."""
+    if callable(tensor):
+        return lambda: ops.cast(tensor(), dtype)
+    return ops.cast(tensor, dtype)
 
 
 @contextlib.contextmanager
@@ -147,6 +160,7 @@ def _step_of(writes, variable):
 @keras.saving.register_keras_serializable(package="tf_lars")
 class TrustRatio(
     InnerOptimizerWrapper,
+    ShapeCheckedApply,
     LayerwiseExclusions,
     _Apply,
     keras.optimizers.Optimizer,
@@ -180,12 +194,16 @@ class TrustRatio(
             than the inner optimizer's own (timm's `trust_clip`; LARC's clip
             caps the local rate at the global one, the same rule where the
             rate multiplies `T`). Defaults to `False`.
-        exclude_from_weight_decay: list of str or None. Regular expressions
-            searched in each `variable.path`; `"<1d>"` (`tf_lars.lars.ALL_1D`)
-            names every variable of rank <= 1. Defaults to `None`.
-        exclude_from_layer_adaptation: list of str or None. Same form;
-            matching variables use `T = 1`. Defaults to `None`: the
-            weight-decay list (pass `[]` to adapt every variable).
+        exclude_from_weight_decay: list of str, callable or None. Regular
+            expressions searched in each `variable.path`; `"<1d>"`
+            (`tf_lars.lars.ALL_1D`) names every variable of rank <= 1; a
+            callable takes the Keras variable and returns True to exclude
+            it. Defaults to `None`.
+        exclude_from_layer_adaptation: list of str, callable or None. Same
+            form; matching variables use `T = 1`. Defaults to `None`: the
+            weight-decay list (Model Garden's convention, not optax's: see
+            docs/algorithms.md, "Exclusion lists and masks"; pass `[]` to
+            adapt every variable).
         clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
         ema_overwrite_frequency, loss_scale_factor,
         gradient_accumulation_steps: the `keras.optimizers.Optimizer` base
@@ -305,14 +323,23 @@ class TrustRatio(
         # the per-step state it advances there (Nadam's `_u_product`) moves
         # as it would alone; for each variable it calls `update_step`, which
         # is this wrapper's for the duration.
+        # Where a compiler sees the whole step, `_take_step` defers steps 3
+        # and 4 to one `_take_steps` over every variable (kept in `__dict__`,
+        # out of Keras's and TensorFlow's tracking).
         inner = self.inner_optimizer
         inner.__dict__["update_step"] = self.update_step
+        if _kernels.batches_trust_ratios(grads):
+            self.__dict__["_deferred_steps"] = []
         try:
             _internals.per_variable_update_step(inner)(
                 grads, trainable_variables, learning_rate
             )
+            deferred = self.__dict__.pop("_deferred_steps", None)
+            if deferred:
+                self._take_steps(deferred)
         finally:
             inner.__dict__.pop("update_step", None)
+            self.__dict__.pop("_deferred_steps", None)
         # The inner optimizer's own step count (Adam's bias correction).
         self.assign_add(inner.iterations, ops.ones((), inner.iterations.dtype))
 
@@ -346,10 +373,33 @@ class TrustRatio(
         """
         if self._variable_adapted[index]:
             for_norm = direction if for_norm is None else for_norm
-            ratio = self._step_trust_ratio(variable, for_norm, scale, learning_rate)
-            _rules.record_trust_ratios(self, [index], [ratio])
-            scale = ops.cast(ratio, variable.dtype) * scale
+            step = (index, variable, scale, direction, learning_rate, for_norm)
+            deferred = self.__dict__.get("_deferred_steps")
+            if deferred is not None:  # see `_backend_update_step`
+                deferred.append(step)
+                return
+            self._take_steps([step])
+            return
         _kernels.scaled_step(self, variable, scale, direction)
+
+    def _take_steps(self, steps):
+        """`_take_step` of adapted variables, as `(index, variable, scale,
+        direction, learning_rate, for_norm)`: one `norms` call and one
+        record per compute dtype."""
+        by_dtype = {}
+        for step in steps:
+            by_dtype.setdefault(_rules.compute_dtype(step[1].dtype), []).append(step)
+        for group in by_dtype.values():
+            indices, variables, scales, directions, rates, for_norms = zip(
+                *group, strict=True
+            )
+            ratios = self._step_trust_ratios(variables, for_norms, scales, rates[0])
+            _rules.record_trust_ratios(self, list(indices), ratios)
+            for k, (variable, scale, direction) in enumerate(
+                zip(variables, scales, directions, strict=True)
+            ):
+                scale = ops.cast(ratios[k], variable.dtype) * scale
+                _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
         """Steps 1 and 2: `lr * u` as `(scale, direction)`.
@@ -385,19 +435,21 @@ class TrustRatio(
         factor = self._decay_factor(scale, learning_rate, decay)
         return direction + factor * ops.convert_to_tensor(variable)
 
-    def _step_trust_ratio(self, variable, direction, scale, learning_rate):
-        """Step 3: `T` from `|w|` and `|u| = |scale| |direction| / lr`.
+    def _step_trust_ratios(self, variables, directions, scales, learning_rate):
+        """Step 3 for variables of one compute dtype, as one vector: `T` from
+        `|w|` and `|u| = |scale| |direction| / lr`.
 
-        `direction`: a tensor, or a function returning it (see `norms`).
+        `directions`: tensors, or functions returning them (see `norms`).
         """
-        compute = _rules.compute_dtype(variable.dtype)
-        if callable(direction):
-            cast = lambda: ops.cast(direction(), compute)  # noqa: E731
-        else:
-            cast = ops.cast(direction, compute)
-        both = _kernels.norms([ops.cast(variable, compute), cast])
-        w_norm, direction_norm = both[0], both[1]
-        step_norm = ops.abs(ops.cast(scale, compute)) * direction_norm
+        compute = _rules.compute_dtype(variables[0].dtype)
+        count = len(variables)
+        both = _kernels.norms(
+            [ops.cast(variable, compute) for variable in variables]
+            + [_cast(direction, compute) for direction in directions]
+        )
+        w_norm, direction_norm = both[:count], both[count:]
+        scale = ops.stack([ops.cast(scale, compute) for scale in scales])
+        step_norm = ops.abs(scale) * direction_norm
         rate = ops.cast(learning_rate, compute)
         defined = ops.logical_and(w_norm > 0, ops.logical_and(step_norm > 0, rate > 0))
         u_norm = step_norm / ops.where(defined, rate, ops.ones_like(rate))

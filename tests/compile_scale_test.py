@@ -1,0 +1,73 @@
+"""How the compiled update of LARS and LAMB grows with the number of variables.
+
+XLA's compile time and memory follow the program TensorFlow hands it, so
+these tests count that program's instructions
+(`benchmarks/compile_bench.py`, `update_hlo`) over 8 and 24 tiny variables:
+per added variable it must grow about as Keras's own optimizers' does, and
+the range check of the norms, the trust-ratio record and the reductions must
+not grow at all (docs/guides/benchmarks.md, "Compile time"). Counts, never
+timings.
+"""
+
+import collections
+
+import pytest
+
+from tests import benchmark_scripts
+
+compile_bench = benchmark_scripts.load("compile_bench")
+
+SMALL, LARGE = 8, 24
+
+
+def program(name, count):
+    """Opcode counts of one `apply` of optimizer `name` over `count` variables."""
+    optimizer = compile_bench.make_optimizer(name)
+    variables = compile_bench.tiny_variables(count)
+    text = compile_bench.update_hlo(optimizer, variables)
+    return collections.Counter(compile_bench.hlo_instructions(text))
+
+
+def per_variable(name):
+    """Instructions each added variable adds to the program."""
+    small = sum(program(name, SMALL).values())
+    large = sum(program(name, LARGE).values())
+    return (large - small) / (LARGE - SMALL)
+
+
+@pytest.mark.parametrize(
+    "name, baseline",
+    [("lars", "sgd"), ("lamb", "adam")],
+)
+def test_program_grows_per_variable_at_most_twice_as_fast_as_keras(name, baseline):
+    # Measured: LARS 24 per variable against SGD(momentum)'s 15 (104 before
+    # the norms were stacked by shape), LAMB 77 against Adam's 44 (235).
+    grown, keras_grown = per_variable(name), per_variable(baseline)
+    assert keras_grown > 0
+    assert grown <= 2 * keras_grown, (name, grown, baseline, keras_grown)
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_one_range_check_one_record_and_fixed_reductions_per_step(name):
+    small, large = program(name, SMALL), program(name, LARGE)
+    # One `cond` for the range check of every norm and one scatter writing
+    # every trust ratio (LAMB had one of each per variable), and reductions
+    # per variable shape, not per variable (LARS had 6 per variable).
+    assert (small["conditional"], large["conditional"]) == (1, 1)
+    assert (small["scatter"], large["scatter"]) == (1, 1)
+    assert small["reduce"] == large["reduce"] > 0
+
+
+def test_instruction_count_reads_tuple_shaped_results():
+    text = (
+        "ENTRY %main (p: f32[4]) -> (f32[4], f32[]) {\n"
+        "  %p = f32[4]{0} parameter(0)\n"
+        "  %c = (f32[4]{0}, /*index=1*/f32[]) conditional(pred[] %q, %p, %p)\n"
+        "  ROOT %t = (f32[4]{0}, f32[]) tuple(f32[4]{0} %p, f32[] %s)\n"
+        "}\n"
+    )
+    assert compile_bench.hlo_instructions(text) == [
+        "parameter",
+        "conditional",
+        "tuple",
+    ]
