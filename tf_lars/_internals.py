@@ -618,7 +618,7 @@ def learning_rate_setting(optimizer):
 
 def iterations_variable(optimizer):
     """`Optimizer._iterations`: the step counter behind the `iterations` property."""
-    return private_member(optimizer, "_iterations", "AGN")
+    return private_member(optimizer, "_iterations", "LARS and AGN")
 
 
 def learning_rate_at_update_count(optimizer):
@@ -634,7 +634,7 @@ def learning_rate_at_update_count(optimizer):
     setting = learning_rate_setting(optimizer)
     steps = optimizer.gradient_accumulation_steps
     if steps and isinstance(setting, keras.optimizers.schedules.LearningRateSchedule):
-        micro_steps = private_member(optimizer, "_iterations", _OPTIMIZERS)
+        micro_steps = iterations_variable(optimizer)
         return setting(keras.ops.floor_divide(micro_steps, steps))
     return keras.optimizers.Optimizer._get_current_learning_rate(optimizer)
 
