@@ -79,7 +79,7 @@ def results(tmp_path_factory):
 @pytest.mark.slow
 def test_keras_still_needs_the_workaround(results):
     # When this fails, Keras fixed `_maybe_symbolic_build` under MWMS: remove
-    # `enable_multi_worker_fit` (and `_internals.build_from_local_batch`).
+    # `enable_multi_worker_fit` (and `multi_worker.build_from_local_batch`).
     error = str(results["worker0"]["upstream_error"])
     assert error, (
         "model.fit under MultiWorkerMirroredStrategy now works without "

@@ -50,10 +50,15 @@ def test_all_is_sorted_and_every_name_is_registered():
         "LAMB",
         "LARS",
         "LossScaleOptimizer",
+        "MissingInternalError",
         "TrustRatio",
+        "UnsupportedVersionError",
         "WarmupPolynomialDecay",
     ]
-    for name in tf_lars.__all__:
+    errors = {"MissingInternalError", "UnsupportedVersionError"}
+    for name in errors:
+        assert issubclass(getattr(tf_lars, name), Exception)
+    for name in sorted(set(tf_lars.__all__) - errors):
         cls = getattr(tf_lars, name)
         assert keras.saving.get_registered_name(cls) == f"tf_lars>{name}"
     assert tf_lars.callbacks.TrustRatioMonitor

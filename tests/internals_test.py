@@ -192,6 +192,34 @@ def test_overridden_hooks_match_the_installed_keras():
     _internals.check_hooks(keras.optimizers.SGD())
 
 
+def test_the_errors_are_public_and_the_fence_raises_them():
+    import tf_lars
+    import tf_lars.errors
+
+    assert tf_lars.UnsupportedVersionError is tf_lars.errors.UnsupportedVersionError
+    assert tf_lars.MissingInternalError is tf_lars.errors.MissingInternalError
+    assert issubclass(tf_lars.UnsupportedVersionError, ImportError)
+    assert issubclass(tf_lars.MissingInternalError, RuntimeError)
+    assert {"UnsupportedVersionError", "MissingInternalError"} <= set(tf_lars.__all__)
+    # What the fence raises is what a user catches.
+    with pytest.raises(tf_lars.UnsupportedVersionError):
+        _internals.check_versions({"tensorflow": "2.15.1", "keras": "3.15.1"})
+    with pytest.raises(tf_lars.MissingInternalError):
+        _internals.adam_slots(keras.optimizers.SGD(), 0)
+
+
+def test_the_errors_module_imports_neither_keras_nor_tensorflow():
+    script = (
+        "import sys, tf_lars; tf_lars.MissingInternalError; "
+        "print(sorted(m for m in ('keras', 'tensorflow') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_changed_hook_fails_where_used_naming_feature_and_versions(monkeypatch):
     def changed(self, grads, trainable_variables):
         return None
@@ -236,7 +264,7 @@ def test_import_tf_lars_loads_no_private_module():
         print("LARS", variable.numpy().tolist())
         try:
             tf_lars.AGN(keras.optimizers.SGD(0.1)).build([variable])
-        except tf_lars._internals.MissingInternalError as error:
+        except tf_lars.MissingInternalError as error:
             print("AGN", error)
         """
     )

@@ -857,6 +857,29 @@ def test_wrapper_rejects_base_optimizer_arguments():
     assert optimizer.dynamic is True
 
 
+@pytest.mark.parametrize(
+    "argument, value",
+    [
+        ("clipnorm", 1.0),
+        ("global_clipnorm", 2.0),
+        ("use_ema", True),
+        ("weight_decay", 0.1),
+    ],
+)
+def test_base_argument_refusal_keeps_keras_wording(argument, value):
+    """A drop-in for Keras's wrapper: code matching Keras's message still does."""
+    keras_message = f"set `{argument}` on the `inner_optimizer`"
+    with pytest.raises(ValueError) as keras_error:
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), **{argument: value})
+    assert keras_message in str(keras_error.value)
+    with pytest.raises(ValueError) as ours:
+        LossScaleOptimizer(keras.optimizers.SGD(), **{argument: value})
+    message = str(ours.value)
+    assert message.startswith(f"LossScaleOptimizer does not support `{argument}`. ")
+    assert keras_message in message
+    assert message.endswith(f"Received: {argument}={value!r}")
+
+
 def test_stateless_apply_is_refused():
     optimizer = LossScaleOptimizer(keras.optimizers.SGD())
     with pytest.raises(ValueError, match="stateless_apply"):

@@ -1,6 +1,8 @@
 """Tests for tf_lars.TrustRatio against the NumPy rule of docs/algorithms.md
 ("TrustRatio and LAMB", tests/lamb_reference.py), around Keras optimizers."""
 
+import pathlib
+
 import keras
 import numpy as np
 import pytest
@@ -205,6 +207,52 @@ def test_loss_scale_wrapped_equals_unscaled():
     scaled = [[g * scale for g in step] for step in grads]
     actual = _run(wrapped, weights, scaled, "float32")
     _close(actual, [p.numpy() for p in plain], "float32")
+
+
+def _refused_inner_optimizers():
+    makers = {
+        "LARS": lambda: tf_lars.LARS(),
+        "LAMB": lambda: tf_lars.LAMB(),
+        "TrustRatio": lambda: tf_lars.TrustRatio(keras.optimizers.SGD()),
+        "tf_lars.LossScaleOptimizer": lambda: tf_lars.LossScaleOptimizer(
+            keras.optimizers.SGD()
+        ),
+        "keras.LossScaleOptimizer": lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD()
+        ),
+        "keras.Lamb": lambda: keras.optimizers.Lamb(),
+    }
+    if keras.backend.backend() == "tensorflow":
+        makers["AGN"] = lambda: tf_lars.AGN(keras.optimizers.SGD())
+    return makers
+
+
+@pytest.mark.parametrize("name", sorted(_refused_inner_optimizers()))
+def test_refuses_wrappers_and_layerwise_optimizers_as_inner(name):
+    inner = _refused_inner_optimizers()[name]()
+    with pytest.raises(ValueError, match="must be a plain Keras optimizer") as error:
+        tf_lars.TrustRatio(inner)
+    assert f"Received: inner_optimizer={inner!r}" in str(error.value)
+
+
+def test_refusals_go_by_a_marker_not_by_importing_the_classes():
+    import ast
+
+    source = pathlib.Path(tf_lars.trust_ratio.__file__).read_text(encoding="utf-8")
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert not imported & {"tf_lars.lars", "tf_lars.agn", "tf_lars.loss_scale"}
+
+    # A foreign optimizer that sets the marker is refused; without it, taken.
+    class Marked(keras.optimizers.SGD):
+        takes_no_trust_ratio = True
+
+    with pytest.raises(ValueError, match="must be a plain Keras optimizer"):
+        tf_lars.TrustRatio(Marked())
+    assert tf_lars.TrustRatio(keras.optimizers.SGD()).inner_optimizer
 
 
 def test_learning_rate_is_the_inner_optimizers():

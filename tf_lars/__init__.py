@@ -34,13 +34,15 @@ _PUBLIC = {
     "LAMB": "tf_lars.lamb",
     "LARS": "tf_lars.lars",
     "LossScaleOptimizer": "tf_lars.loss_scale",
+    "MissingInternalError": "tf_lars.errors",
     "TrustRatio": "tf_lars.trust_ratio",
+    "UnsupportedVersionError": "tf_lars.errors",
     "WarmupPolynomialDecay": "tf_lars.schedules",
     "callbacks": "tf_lars.callbacks",
     "schedules": "tf_lars.schedules",
 }
 
-# The public classes, sorted (the submodules `callbacks` and `schedules` load
+# The public classes and errors, sorted (the submodules `callbacks` and `schedules` load
 # with them).
 __all__ = [
     "AGN",
@@ -48,7 +50,9 @@ __all__ = [
     "LAMB",
     "LARS",
     "LossScaleOptimizer",
+    "MissingInternalError",
     "TrustRatio",
+    "UnsupportedVersionError",
     "WarmupPolynomialDecay",
 ]
 
@@ -57,6 +61,7 @@ if TYPE_CHECKING:  # What the loading below binds, spelled out.
     from tf_lars import schedules as schedules
     from tf_lars.agn import AGN
     from tf_lars.diloco import DiLoCo
+    from tf_lars.errors import MissingInternalError, UnsupportedVersionError
     from tf_lars.lamb import LAMB
     from tf_lars.lars import LARS
     from tf_lars.loss_scale import LossScaleOptimizer

@@ -4,109 +4,36 @@ Nothing else in tf_lars imports `tensorflow.python`, `keras.src` or
 `tf.__internal__`, reads a `_private` attribute of a TensorFlow or Keras
 object (inherited `self._x` included), or overrides a private Keras method
 other than those in `OVERRIDDEN_HOOKS`; tests/internals_test.py checks it.
-Each access below says why no public API serves (the documentation's
-development guide shows this list; it is kept only here).
+Each accessor's docstring says why no public API serves. Loading an
+optimizer refuses TensorFlow or Keras below `SUPPORTED`'s floor
+(`tf_lars.UnsupportedVersionError`); a newer release runs, and each access
+checks itself where it is used (`tf_lars.MissingInternalError`, naming the
+feature and the installed versions).
 
-Versions: loading an optimizer refuses only TensorFlow or Keras older than
-the floor in `SUPPORTED` (`UnsupportedVersionError`, naming the installed
-versions and the range; `TF_LARS_SKIP_VERSION_CHECK=1` tries anyway). On the
-JAX and PyTorch backends only the Keras floor applies, and TensorFlow is not
-imported (this module imports it only when Keras runs on it). Newer releases
-import and run: nothing private is imported when tf_lars loads, and each
-access checks itself where it is used, raising `MissingInternalError` with
-the feature and the installed versions if a release removed it.
-Where releases differ, the shim is here (section 11), with the release that
-changed it.
+Index (the section comments below carry the same numbers):
 
-The accesses:
-
-1. `maybe_merge_call` (`tf.__internal__.distribute.interim`): LARS computes
-   its trust ratios in replica context and then enters the strategy's merge
-   call to update the variables, exactly as Keras's own TensorFlow optimizer
-   does. Under strategies that need no merge call (MultiWorkerMirrored) it
-   calls the function directly. `ReplicaContext.merge_call` is public but
-   would force a merge call where the strategy has opted out of it.
-2. `strategy_supports_no_merge_call` (`tf.__internal__.distribute`): the loss
-   scale wrapper decides whether its finite check can branch in replica
-   context (no merge call) or must branch in cross-replica context.
-3. `no_automatic_dependency_tracking` (`keras.src.utils.tracking`): AGN keeps
-   worker-local variables (never checkpointed) on an optimizer without Keras
-   tracking them into the saved state. Keras exports no public switch.
-4. `WorkerLocalVariable` (subclass of `tensorflow.python.distribute.ps_values.
-   PerWorkerVariable`, plus the `context`, `ops`, `save_context` and
-   control-flow graph modules it needs): AGN's worker-local copies under
-   `ParameterServerStrategy`. TensorFlow's `per_worker_variable=True` (the
-   public entry, documented as experimental) re-captures its handle on every
-   access inside a `tf.function`, so reads and writes get reordered; see the
-   class docstring. There is no public per-worker variable that an optimizer
-   can update in program order. Its `read_each_worker()` reads each worker's
-   value through `_per_worker_vars`: the public `read_all()` fails as a whole
-   when one worker is down, and `ClusterCoordinator` cannot run a function on
-   a chosen worker.
-5. `coordinator_of(strategy)` (`strategy._cluster_coordinator`): whether a
-   `ClusterCoordinator` exists for a strategy. TensorFlow keeps that link only
-   in this attribute; worker-local variables need the coordinator.
-   `cluster_resolver_of(strategy)`: the public `strategy.cluster_resolver`,
-   else `strategy._cluster_resolver`; `ParameterServerStrategy` 2.21 keeps
-   its resolver only there (the public property returns None).
-6. `base_optimizer_keyword_args()` (`keras.src.optimizers.optimizer`): the
-   text Keras's own optimizers splice into their docstrings for the base
-   arguments (`clipnorm`, `use_ema`, ...); LARS's docstring includes it. Keras
-   exports it nowhere public. Read inside a `try`: if Keras moves it, a short
-   pointer stands in and `import tf_lars` still works.
-7. `build_from_local_batch(model)` (overrides the instance's
-   `Model._maybe_symbolic_build` and calls `Model._symbolic_build`, both
-   `keras.src.backend.tensorflow.trainer` / `keras.src.trainers.trainer`):
-   Keras 3.15's `model.fit`/`evaluate` under `MultiWorkerMirroredStrategy`
-   first pass a tuple of `PerReplica` batches to `strategy.reduce("MEAN",
-   ...)` only to learn their shapes, and the collective cross-device ops
-   cannot reduce a tuple ("Attempt to convert a value (PerReplica...) to a
-   Tensor"). The override builds from this worker's first local batch (only
-   shapes and dtypes matter). There is no public hook: the reduction runs
-   before Keras checks whether anything needs building. Used only by
-   `tf_lars.distribute.enable_multi_worker_fit`, which users call explicitly.
-   Where Keras writes metric variables through on every replica (3.8), the
-   same function replaces the loss tracker `Model._loss_tracker` (untracked,
-   as `compile` sets it) and builds the compiled metrics under a variable
-   creator that makes their `"sum"` variables sum on read, as Keras does
-   since keras-team/keras#21072.
-8. `in_xla_context()` (`tf.__internal__.get_enclosing_xla_context`): whether
-   the step being traced will be compiled by XLA. The norms of
-   `tf_lars._tf_fast.squared_norm` take the form that is fastest there:
-   folded into a matrix-vector product under XLA (a full reduction is a
-   serial loop), one `MatMul` of the flat tensor with itself otherwise
-   (half the time of `reduce_sum(square(x))`, no temporary). TensorFlow
-   exposes no public query; a wrong answer only costs speed, never a result.
-9. `start_fit_at_epoch(model, epoch)` (`Model._initial_epoch`, read by
-   `fit` as `self._initial_epoch or initial_epoch`): the only way a callback
-   can choose the epoch a running `fit` starts at. Keras's own
-   `BackupAndRestore` sets the same attribute;
-   `tf_lars.distribute.BackupAndRestore` sets it to the restored epoch and
-   back to None (Keras's default) when `fit` ends.
-10. Keras optimizer members (`variable_index`, `all_reduce_sum_gradients`,
-   `distribution_strategy`, `uses_weight_decay`, `trainable_variables_of`,
-   `check_variables_are_known`, `learning_rate_setting`,
-   `iterations_variable`, `adam_slots`, `overwrites_with_gradient`) and the
-   hooks LARS and TrustRatio override (`OVERRIDDEN_HOOKS`:
-   `_backend_update_step`, `_apply_weight_decay`, and LARS's
-   `_get_current_learning_rate`, `learning_rate_at_update_count`): a Keras optimizer
-   subclass that updates several variables at once (LARS's batched trust
-   ratios, LAMB's fused Adam step) needs the per-variable index, the slots
-   and the TensorFlow backend's all-reduce; Keras exposes them only to its
-   own subclasses.
-11. Release differences: `add_optimizer_variables` (Keras 3.11),
-   `backing_variable` (`keras.Variable` as the base class, Keras 3.8),
-   `unaggregated()` (`aggregation="none"`, Keras 3.7), `finish_wrapper_build`
-   (`LossScaleOptimizer.build` calls `super().build()` after 3.11).
+1. `maybe_merge_call`, `strategy_supports_no_merge_call`: tf.distribute's
+   merge-call switches (LARS, the loss scale).
+2. `no_automatic_dependency_tracking`: untracked attributes (AGN).
+3. `coordinator_of`, `cluster_resolver_of` and the `PerWorkerVariable`
+   accessors: the parameter-server strategy's coordinator and the
+   worker-local variables of `tf_lars.distribute.ps_agn` (AGN).
+4. `base_optimizer_keyword_args`: Keras's docstring text (LARS's docstring).
+5. `replace_symbolic_build`, `loss_tracker_of`, `set_loss_tracker`: what
+   `tf_lars.distribute.enable_multi_worker_fit` changes on a model.
+6. `in_xla_context`: whether the step being traced is compiled by XLA.
+7. `start_fit_at_epoch`: the epoch a running `fit` starts at.
+8. Keras optimizer members and the hooks in `OVERRIDDEN_HOOKS`.
+9. Release differences inside the supported range, each with its release.
 """
 
-import contextlib
 import functools
 import inspect
-import itertools
 import os
 
 import keras
+
+from tf_lars.errors import MissingInternalError, UnsupportedVersionError
 
 if keras.backend.backend() == "tensorflow":
     # Already imported by Keras: free. On the other backends TensorFlow is
@@ -125,14 +52,6 @@ else:
 #: unadapted biases step with twice the gradient and diverge (measured with
 #: tests/mirrored_script.py; docs/guides/versions.md).
 SUPPORTED = {"tensorflow": ((2, 16), (2, 21)), "keras": ((3, 8), (3, 15))}
-
-
-class UnsupportedVersionError(ImportError):
-    """The installed TensorFlow or Keras is older than tf_lars supports."""
-
-
-class MissingInternalError(RuntimeError):
-    """A private TensorFlow / Keras member tf_lars uses is gone or changed."""
 
 
 def _major_minor(version):
@@ -246,30 +165,46 @@ def _private_module(path, feature):
         raise _missing(feature, f"the module `{path}`") from None
 
 
-# 1 and 2 -------------------------------------------------------------------
+# 1 ---------------------------------------------------------------------------
 
 
 @_do_not_convert
 def maybe_merge_call(fn, strategy, *args):
-    """`fn(strategy, *args)` through a merge call where the strategy needs one."""
+    """`fn(strategy, *args)` through a merge call where the strategy needs one.
+
+    LARS computes its trust ratios in replica context and then updates the
+    variables in the strategy's merge call, as Keras's own TensorFlow
+    optimizer does; under strategies that need no merge call
+    (MultiWorkerMirrored) `fn` is called directly. The public
+    `ReplicaContext.merge_call` would force a merge call where the strategy
+    has opted out of it.
+    """
     merge_call = _tf_internal("distribute.interim.maybe_merge_call", "LARS")
     return merge_call(fn, strategy, *args)
 
 
 @_do_not_convert
 def strategy_supports_no_merge_call():
-    """Whether the current strategy updates variables without a merge call."""
+    """Whether the current strategy updates variables without a merge call.
+
+    The loss scale's finite check branches in replica context where it can,
+    else in cross-replica context; TensorFlow has no public query.
+    """
     supports = _tf_internal(
         "distribute.strategy_supports_no_merge_call", "LossScaleOptimizer"
     )
     return supports()
 
 
-# 3 ---------------------------------------------------------------------------
+# 2 ---------------------------------------------------------------------------
 
 
 def no_automatic_dependency_tracking(method):
     """Decorator: attributes set inside `method` are not tracked by Keras.
+
+    AGN keeps worker-local variables (never checkpointed) on an optimizer
+    without Keras tracking them into the saved state; Keras exports no
+    public switch.
 
     Keras's own decorator is looked up when `method` runs, not when tf_lars
     is imported, so that a Keras without it fails only AGN's `build`.
@@ -286,20 +221,25 @@ def no_automatic_dependency_tracking(method):
     return untracked
 
 
-# 4 and 5 ---------------------------------------------------------------------
+# 3 ---------------------------------------------------------------------------
 
 
 def coordinator_of(strategy):
-    """The `ClusterCoordinator` created for `strategy`, or None."""
+    """The `ClusterCoordinator` created for `strategy`, or None.
+
+    TensorFlow keeps that link only in `strategy._cluster_coordinator`;
+    worker-local variables need the coordinator.
+    """
     return getattr(strategy, "_cluster_coordinator", None)
 
 
 def cluster_resolver_of(strategy):
-    """The strategy's `ClusterResolver` (public property first), or None."""
+    """The strategy's `ClusterResolver` (public property first), or None.
+
+    `ParameterServerStrategy` 2.21 keeps its resolver only in
+    `_cluster_resolver` (the public property returns None).
+    """
     return strategy.cluster_resolver or getattr(strategy, "_cluster_resolver", None)
-
-
-_ids = itertools.count()
 
 
 _WORKER_LOCAL_FEATURE = "AGN under ParameterServerStrategy"
@@ -307,7 +247,7 @@ _WORKER_LOCAL_FEATURE = "AGN under ParameterServerStrategy"
 
 @functools.cache
 def _tf_modules():
-    """TensorFlow's private modules that `WorkerLocalVariable` needs, on first use."""
+    """TensorFlow's private modules worker-local variables need, on first use."""
     return {
         name.rpartition(".")[2]: _private_module(
             f"tensorflow.python.{name}", _WORKER_LOCAL_FEATURE
@@ -322,122 +262,91 @@ def _tf_modules():
     }
 
 
-@functools.cache
-def _control_flow_graphs():
-    graphs = _tf_modules()["control_flow_v2_func_graphs"]
-    return tuple(
-        private_member(graphs, name, _WORKER_LOCAL_FEATURE)
-        for name in ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
-    )
+def per_worker_variable_class():
+    """TensorFlow's `PerWorkerVariable` (`tensorflow.python.distribute.ps_values`).
 
-
-class _WorkerLocalHandle:
-    """A `PerWorkerVariable` whose handle is captured once per traced function.
-
-    AGN keeps a local copy of the model, the gradient accumulators and the
-    local optimizer slots on each worker. TensorFlow's
-    `tf.Variable(..., per_worker_variable=True)` (a private `PerWorkerVariable`)
-    is the mechanism, but as shipped it is unusable for an optimizer: every
-    access to its `handle` inside a `tf.function` captures a *new* call-time
-    placeholder, so automatic control dependencies see unrelated resources and
-    reorder reads and writes (measured: two `assign_add`s followed by a read
-    returned the initial value).
-
-    This mixin captures the worker's handle under a stable key, so every op
-    in a traced function refers to one placeholder and runs in program order.
-    Inside `tf.cond` / `tf.while_loop` bodies (which do not forward call-time
-    captures; TF documents per-worker variables as unreadable in `tf.cond`
-    branches) it captures the handle in the enclosing function and passes it
-    into the branch as an ordinary captured tensor, so a loss-scale
-    optimizer's conditional update works on worker-local variables, with or
-    without XLA. Everything else (creation on each worker, re-creation when a
-    restarted worker comes back, `read_all`) is TensorFlow's own.
-
-    Caveats (TensorFlow's, unchanged): values are lost when a worker restarts
-    (the variable is re-created with its initial value), they are never
-    checkpointed, and they must not be created inside a `tf.function`.
-    `worker_local_variable_class()` joins it to TensorFlow's class on first
-    use, so that `import tf_lars` never touches `PerWorkerVariable`.
+    What `tf.Variable(..., per_worker_variable=True)` creates under a
+    `ParameterServerStrategy` with a coordinator; the public entry (documented
+    as experimental) gives no class an optimizer could subclass, and
+    `tf_lars.distribute.ps_agn.WorkerLocalHandle` needs one (see there).
     """
-
-    def __init__(self, strategy, next_creator, **kwargs):
-        super().__init__(strategy, next_creator, **kwargs)
-        # Keras optimizers key their slots by `_unique_id`; PerWorkerVariable
-        # leaves it None for every instance.
-        self._unique_id = f"tf_lars_worker_local_{next(_ids)}"
-        self._capture_key = ("tf_lars_worker_local", self._unique_id)
-
-    @property
-    def handle(self):
-        modules = _tf_modules()
-        if (
-            modules["context"].executing_eagerly()
-            or modules["save_context"].in_save_context()
-        ):
-            return self._coordinator_instance.handle
-        self._maybe_create_per_worker_vars()
-        closure, spec = self.handle_call_time_value()
-        graph = modules["ops"].get_default_graph()
-        function_graph = graph
-        while isinstance(function_graph, _control_flow_graphs()):
-            function_graph = function_graph.outer_graph
-        with function_graph.as_default():
-            handle = function_graph.capture_call_time_value(
-                closure, spec, key=self._capture_key
-            )
-        if function_graph is graph:
-            return handle
-        return graph.capture(handle)
-
-    def read_each_worker(self):
-        """Each worker's value as a NumPy value, None for a worker that is down."""
-        self._maybe_create_per_worker_vars()
-        values = []
-        for remote in self._per_worker_vars._values:
-            try:
-                values.append(remote.get().numpy())
-            except Exception:  # noqa: BLE001 - a failed worker reads as None
-                values.append(None)
-        return values
-
-
-@functools.cache
-def worker_local_variable_class():
-    """`WorkerLocalVariable`: `_WorkerLocalHandle` over TF's `PerWorkerVariable`."""
-    base = private_member(
+    return private_member(
         _tf_modules()["ps_values"], "PerWorkerVariable", _WORKER_LOCAL_FEATURE
     )
-    return type("WorkerLocalVariable", (_WorkerLocalHandle, base), {})
 
 
-@contextlib.contextmanager
-def worker_local_scope(strategy):
-    """Variables created in this scope are `WorkerLocalVariable`s.
+def reads_the_coordinator_handle():
+    """Whether a per-worker variable is read eagerly or while being saved.
 
-    Args:
-        strategy: the `tf.distribute.ParameterServerStrategy`; a
-            `ClusterCoordinator` must already exist for it.
+    There its handle is the coordinator's copy; inside a traced function it
+    is a call-time capture. `tensorflow.python.eager.context` and
+    `saved_model.save_context` hold the two tests.
     """
-    if coordinator_of(strategy) is None:
-        raise ValueError(
-            "Create `tf.distribute.coordinator.ClusterCoordinator(strategy)` "
-            "before building worker-local variables."
+    modules = _tf_modules()
+    return (
+        modules["context"].executing_eagerly()
+        or modules["save_context"].in_save_context()
+    )
+
+
+def function_graph_of_branch():
+    """The graph a call-time capture must go to, and the current graph.
+
+    Inside `tf.cond` / `tf.while_loop` bodies (private control-flow graph
+    classes) call-time captures are not forwarded, so the capture goes to
+    the enclosing function's graph: `(that graph, the current graph)`.
+    """
+    modules = _tf_modules()
+    branches = tuple(
+        private_member(
+            modules["control_flow_v2_func_graphs"], name, _WORKER_LOCAL_FEATURE
         )
-
-    variable_class = worker_local_variable_class()
-
-    def creator(next_creator, **kwargs):
-        # Colocation with a parameter-server variable and the strategy's own
-        # per-worker flag do not apply: the variable lives on every worker.
-        kwargs.pop("colocate_with", None)
-        kwargs.pop("per_worker_variable", None)
-        return variable_class(strategy, next_creator, **kwargs)
-
-    with tf.variable_creator_scope(creator):
-        yield
+        for name in ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
+    )
+    graph = modules["ops"].get_default_graph()
+    function_graph = graph
+    while isinstance(function_graph, branches):
+        function_graph = function_graph.outer_graph
+    return function_graph, graph
 
 
-# 6 ---------------------------------------------------------------------------
+def coordinator_handle(variable):
+    """`PerWorkerVariable._coordinator_instance.handle`: the coordinator's copy."""
+    instance = private_member(variable, "_coordinator_instance", _WORKER_LOCAL_FEATURE)
+    return instance.handle
+
+
+def create_per_worker_values(variable):
+    """`PerWorkerVariable._maybe_create_per_worker_vars()`: a copy per worker.
+
+    Creates them on first use and again for a worker that restarted;
+    TensorFlow calls it itself only from its own reads.
+    """
+    private_member(variable, "_maybe_create_per_worker_vars", _WORKER_LOCAL_FEATURE)()
+
+
+def per_worker_remote_values(variable):
+    """Each worker's remote value of a `PerWorkerVariable`, in worker order.
+
+    `_per_worker_vars._values`: the public `read_all()` fails as a whole when
+    one worker is down, and `ClusterCoordinator` cannot run a function on a
+    chosen worker, so AGN reads each one on its own.
+    """
+    per_worker = private_member(variable, "_per_worker_vars", _WORKER_LOCAL_FEATURE)
+    return list(private_member(per_worker, "_values", _WORKER_LOCAL_FEATURE))
+
+
+def set_unique_id(variable, unique_id):
+    """Sets `variable._unique_id`, which Keras optimizers key their slots by.
+
+    `PerWorkerVariable` leaves it None for every instance, so two of them
+    would share one slot.
+    """
+    private_member(variable, "_unique_id", _WORKER_LOCAL_FEATURE)
+    variable._unique_id = unique_id
+
+
+# 4 ---------------------------------------------------------------------------
 
 
 def base_optimizer_keyword_args():
@@ -460,117 +369,78 @@ def base_optimizer_keyword_args():
     return text
 
 
-# 7 ---------------------------------------------------------------------------
+# 5 ---------------------------------------------------------------------------
 
 
-def build_from_local_batch(model):
-    """Makes `model` build its state from a local batch, not a reduced one.
+_LOCAL_BUILD_FEATURE = "enable_multi_worker_fit"
 
-    Sets an instance attribute that replaces Keras's `_maybe_symbolic_build`
-    for this model only: the first batch of the distributed iterator is
-    taken, each `DistributedValues` replaced by this worker's first local
-    value, and Keras's own `_symbolic_build` runs on it in the strategy's
-    scope. The class and other models are unchanged. Where Keras writes
-    metric variables on every replica (3.8; `_metrics_sync_on_write`), the
-    loss tracker and the compiled metrics are made to sum on read instead,
-    so that `fit` logs the loss of the global batch.
+
+def replace_symbolic_build(model, build):
+    """Makes `model.fit` / `evaluate` build the model with `build` (this
+    instance only); returns Keras's `Model._symbolic_build(data_batch=...)`.
+
+    Keras 3.15's `fit`/`evaluate` under `MultiWorkerMirroredStrategy` first
+    pass a tuple of `PerReplica` batches to `strategy.reduce("MEAN", ...)`
+    in `Model._maybe_symbolic_build` only to learn their shapes, and the
+    collective ops cannot reduce a tuple ("Attempt to convert a value
+    (PerReplica...) to a Tensor"). No public hook exists: the reduction runs
+    before Keras checks whether anything needs building. `build(iterator=None,
+    data_batch=None)` takes its place as an instance attribute; used only by
+    `tf_lars.distribute.enable_multi_worker_fit`, which users call.
     """
-    strategy = model.distribute_strategy
-    feature = "enable_multi_worker_fit"
-    private_member(model, "_maybe_symbolic_build", feature)
-    symbolic_build = private_member(model, "_symbolic_build", feature)
-    on_write = _metrics_sync_on_write(model)
-
-    def first_local(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    def local_symbolic_build(iterator=None, data_batch=None):
-        if iterator is not None:
-            # Keras's epoch iterator yields (begin, end, tf iterator) from
-            # Keras 3.11 on and (step, tf iterator) in 3.8: the last item.
-            for item in iterator:
-                data_batch = next(item[-1])
-                break
-        if data_batch is not None:
-            data_batch = tf.nest.map_structure(first_local, data_batch)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(strategy.scope())
-            if on_write:
-                stack.enter_context(tf.variable_creator_scope(_sum_on_read))
-            symbolic_build(data_batch=data_batch)
-
-    model._maybe_symbolic_build = local_symbolic_build
-    if on_write:
-        _renew_loss_tracker_on_read(model)
-    return model
+    private_member(model, "_maybe_symbolic_build", _LOCAL_BUILD_FEATURE)
+    symbolic_build = private_member(model, "_symbolic_build", _LOCAL_BUILD_FEATURE)
+    model._maybe_symbolic_build = build
+    return symbolic_build
 
 
-def _sum_on_read(next_creator, **kwargs):
-    """Variable creator: a `"sum"` variable with no synchronization set is
-    created `ON_READ` (each replica keeps its own part; a read sums them).
-    Only Keras metrics create `"sum"` variables."""
-    if (
-        kwargs.get("aggregation") == tf.VariableAggregation.SUM
-        and kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
-        == tf.VariableSynchronization.AUTO
-    ):
-        kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
-    return next_creator(**kwargs)
-
-
-def _metrics_sync_on_write(model):
-    """Whether this Keras writes metric variables through on every replica.
-
-    Keras 3.8 creates a metric's `"sum"` variables as mirrored (`ON_WRITE`)
-    variables, and a metric updates them with `assign(total + value)`: under
-    a strategy with several replicas each write is summed over the replicas,
-    so the running totals double at each step and `fit` logs a wrong loss
-    (tests/distribute_multi_worker_test.py, on the oldest pair). Keras
-    creates them `ON_READ` since keras-team/keras#21072 (March 2025; 3.11
-    does); the weights were never affected.
-    """
-    tracker = private_member(model, "_loss_tracker", "enable_multi_worker_fit")
-    if tracker is None or not tracker.variables:
-        return False
-    value = backing_variable(tracker.variables[0])
-    return (
-        isinstance(value, tf.distribute.DistributedValues)
-        and value.synchronization != tf.VariableSynchronization.ON_READ
-    )
+def loss_tracker_of(model):
+    """`Model._loss_tracker`: the metric `compile` made for the logged loss."""
+    return private_member(model, "_loss_tracker", _LOCAL_BUILD_FEATURE)
 
 
 @no_automatic_dependency_tracking
-def _renew_loss_tracker_on_read(model):
-    """Replaces the loss tracker `compile` made by one whose variables sum on
-    read (as `compile` sets it: untracked); `_symbolic_build` creates the
-    compiled metrics the same way (`build_from_local_batch`)."""
-    with model.distribute_strategy.scope(), tf.variable_creator_scope(_sum_on_read):
-        model._loss_tracker = keras.metrics.Mean(name="loss")
+def set_loss_tracker(model, make_tracker):
+    """Replaces `Model._loss_tracker` by `make_tracker()`, made and set
+    untracked, as `compile` makes and sets it."""
+    private_member(model, "_loss_tracker", _LOCAL_BUILD_FEATURE)
+    model._loss_tracker = make_tracker()
 
 
-# 8 ---------------------------------------------------------------------------
+# 6 ---------------------------------------------------------------------------
 
 
 def in_xla_context():
-    """Whether the graph being built is compiled by XLA (`jit_compile=True`)."""
+    """Whether the graph being built is compiled by XLA (`jit_compile=True`).
+
+    The norms take the form that is fastest there (`tf_lars._tf_fast`).
+    TensorFlow exposes no public query; a wrong answer costs only speed,
+    never a result.
+    """
     enclosing = _tf_internal("get_enclosing_xla_context", "LARS and LAMB")
     return enclosing() is not None
 
 
-# 9 ---------------------------------------------------------------------------
+# 7 ---------------------------------------------------------------------------
 
 
 def start_fit_at_epoch(model, epoch):
-    """Makes the running (or next) `fit` start at `epoch`; None: Keras's default."""
+    """Makes the running (or next) `fit` start at `epoch`; None: Keras's default.
+
+    `fit` reads `Model._initial_epoch` (`self._initial_epoch or
+    initial_epoch`): the only way a callback can choose the epoch a running
+    `fit` starts at. Keras's own `BackupAndRestore` sets the same attribute.
+    """
     private_member(model, "_initial_epoch", "BackupAndRestore")
     model._initial_epoch = epoch
 
 
-# 10 --------------------------------------------------------------------------
+# 8 ---------------------------------------------------------------------------
 # Keras optimizer internals: private members of `keras.optimizers.Optimizer`
-# (TensorFlow backend) and `Adam` that tf_lars's optimizers read or call.
+# (TensorFlow backend) and `Adam` that tf_lars's optimizers read or call. An
+# optimizer that updates several variables at once (LARS's batched trust
+# ratios, LAMB's fused Adam step) needs the per-variable index, the slots and
+# the backend's all-reduce; Keras exposes them only to its own subclasses.
 # Each accessor checks that the member is there and names the feature that
 # needs it; a fallback stands where a release lacks it (noted per function).
 
@@ -649,7 +519,7 @@ def adam_slots(optimizer, index):
 def overwrites_with_gradient(optimizer, variable):
     """`Optimizer._overwrite_variable_with_gradient(variable)`.
 
-    Keras 3.11 added the method; before it (3.5 to 3.10) the same rule is
+    Keras 3.11 added the method; before it (3.8 to 3.10) the same rule is
     the variable's `overwrite_with_gradient` attribute, read here directly.
     """
     check = getattr(optimizer, "_overwrite_variable_with_gradient", None)
@@ -724,14 +594,14 @@ def check_hooks(optimizer):
             )
 
 
-# 11 --------------------------------------------------------------------------
+# 9 ---------------------------------------------------------------------------
 # Release differences, each with the release that changed it.
 
 
 def add_optimizer_variables(optimizer, variables, name, initializer="zeros"):
     """`Optimizer.add_optimizer_variables`: one slot per model variable.
 
-    Keras 3.11 added it (not in 3.5 to 3.8; 3.11.3 measured); before it, one
+    Keras 3.11 added it (not in 3.8; 3.11.3 measured); before it, one
     `add_variable_from_reference` per variable, which is what it does.
     """
     add = getattr(optimizer, "add_optimizer_variables", None)
@@ -743,24 +613,13 @@ def add_optimizer_variables(optimizer, variables, name, initializer="zeros"):
     ]
 
 
-def unaggregated():
-    """The `aggregation` of a counter every replica advances identically.
-
-    `"none"`, as Keras's `LossScaleOptimizer` gives its own step counter;
-    Keras 3.5 and 3.6 refuse `"none"` (3.7 added it) and gave that counter
-    the default, `"mean"`.
-    """
-    version = _major_minor(keras.__version__) or (99, 0)
-    return "none" if version >= (3, 7) else "mean"
-
-
 def backing_variable(variable):
     """The `tf.Variable` behind a Keras variable, as the strategy knows it.
 
-    In Keras 3.5 to 3.7 the variables layers create are not instances of
-    `keras.Variable` (an export-only subclass; 3.8 made it the base class),
-    so the test is "not a `tf.Variable`" (measured: LARS under
-    MirroredStrategy failed `distribution.extended.update`'s assertion).
+    A Keras variable on the TensorFlow backend wraps its `tf.Variable` (its
+    `value`); the strategy's `extended.update` asserts it gets the
+    `tf.Variable` itself (measured: LARS under MirroredStrategy). Anything
+    that already is a `tf.Variable` passes through.
     """
     if tf is not None and not isinstance(variable, tf.Variable):
         return variable.value
@@ -770,7 +629,7 @@ def backing_variable(variable):
 def finish_wrapper_build(optimizer, var_list):
     """Runs the base `Optimizer.build` that Keras's `LossScaleOptimizer.build` skips.
 
-    Through Keras 3.11 (3.5, 3.6 and 3.11.3 measured) that `build` never
+    Through Keras 3.11 (3.11.3 measured) that `build` never
     calls `super().build()`, so the wrapper's `_trainable_variables` stay
     empty; Keras 3.15 calls it. Runs it where it did not run.
     """

@@ -72,7 +72,7 @@ def recomputes_for_norms(tensor):
 
 
 def batches_trust_ratios(gradients):
-    """Whether `TrustRatio` takes steps 3 and 4 of every variable together.
+    """Whether `TrustRatio` takes steps 3 to 5 (trust ratio, clip, update) at once.
 
     Yes when a compiler sees the whole step: under `jax.jit` (the gradients
     are traced), under `torch.compile`, and under XLA on TensorFlow

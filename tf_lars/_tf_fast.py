@@ -4,16 +4,15 @@ Imported only on the TensorFlow backend (`tf_lars._rules.kernels()`). Each
 function here stands in for the portable rule of the same name and signature
 in `tf_lars/_rules.py` (or, for LAMB's direction, in `tf_lars/lamb.py`) and
 gives its numbers; tests/backends_rules_test.py calls both and compares.
-Figures are from `python benchmarks/bench.py` on ResNet-50's 214 trainable variable
-shapes, on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the tables.
+How much each one saves is measured by `python benchmarks/bench.py` (the
+tables and their commands are in docs/guides/benchmarks.md, "Speed"); no
+figure is kept here, where it would go stale.
 
 1. **Batched, folded norms** (`norms`): under XLA on CPU a full reduction to
    a scalar is one serial loop with one accumulator, several times slower
-   than memory allows (about 2.5 ms for a 3x3x512x512 kernel here). Folding
-   the squared tensor into a `[rows, width]` matrix and multiplying by a
-   vector of ones hands the work to XLA's vectorized, multi-threaded
-   matrix-vector kernel (about 0.3 ms for the same kernel). Whole step:
-   1.46x SGD-momentum's time with folding, 2.59x without. Without XLA
+   than memory allows. Folding the squared tensor into a `[rows, width]`
+   matrix and multiplying by a vector of ones hands the work to XLA's
+   vectorized, multi-threaded matrix-vector kernel. Without XLA
    (`model.fit`'s CPU default) each norm is one `MatMul` of the flattened
    tensor with itself, which reads it once and makes no temporary
    (`_internals.in_xla_context` tells the two cases apart; `python benchmarks/bench.py
@@ -28,8 +27,7 @@ shapes, on a 2-core CPU; docs/guides/benchmarks.md ("Speed") has the tables.
    where separate assignments read the new slot back.
 3. **Compiled eager apply** (`CompiledApply`): an eager `apply` (custom loops
    without `tf.function`) runs as one `tf.function(jit_compile=True)`,
-   traced once per list of variables: 187.6 ms op by op versus 25.1 ms
-   compiled (7.5x) on ResNet-50's shapes.
+   traced once per list of variables, instead of one kernel launch per op.
 4. **Sparse gradients** (`tf.IndexedSlices`, only TensorFlow has them):
    LARS's row-wise momentum (`sparse_momentum_step`) and LAMB's sparse Adam
    moments (`sparse_adam_moments`), and the cross-replica step of LARS under
@@ -71,7 +69,8 @@ def squared_norm(tensor):
     Under XLA the squares are folded into a `[rows, width]` matrix times a
     vector of ones; elsewhere (graph or eager) the flat tensor is multiplied
     by itself in one `MatMul`, which reads it once and makes no temporary
-    (about 0.6x the time of `reduce_sum(square(x))` on ResNet-50's shapes).
+    (faster than `reduce_sum(square(x))`: `python benchmarks/bench.py --only
+    no-xla`).
     """
     size = tensor.shape.num_elements()
     if size is None or size < _SMALL:
@@ -214,7 +213,7 @@ def scaled_step(optimizer, variable, scale, step):
 
 
 def sparse_momentum_step(optimizer, gradient, variable, learning_rate, slot):
-    """LARS's step 5: row-wise momentum on the touched rows, duplicates summed.
+    """LARS's step 5 (sparse gradients): momentum on the touched rows only.
 
     No sort and no `tf.unique` (slow under XLA): scatter-adds sum repeated
     rows by themselves, and every other write is a scatter-update of

@@ -92,6 +92,12 @@ class InnerOptimizerWrapper:
     Keras optimizer's versions.
     """
 
+    #: The marker `TrustRatio` refuses an inner optimizer by: a wrapper's
+    #: step is a whole optimizer's (loss scale, AGN) or already adapted
+    #: layer-wise (TrustRatio, LAMB), not one direction per variable. LARS
+    #: sets it too. Foreign optimizers never have it.
+    takes_no_trust_ratio = True
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise ValueError(
             "`stateless_apply` is not supported with the TensorFlow backend; "

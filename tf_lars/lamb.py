@@ -6,7 +6,7 @@ there maps the published LAMB variants onto this class's flags.
 (`lamb_direction`, with `LambAdam`), the weight decay, the trust ratio and
 the write (`TrustRatio._take_step`). On the TensorFlow backend, without XLA,
 `tf_lars._tf_fast.lamb_direction` computes the same direction in one fused
-kernel; under XLA (TensorFlow's or JAX's) the norm of step 3 computes it
+kernel; under XLA (TensorFlow's or JAX's) step 3 (trust ratio) computes it
 again instead of reading it back (`lamb_direction`).
 """
 
@@ -37,7 +37,7 @@ class LambAdam(keras.optimizers.Adam):
     """
 
     def __init__(self, *args, eps_root=0.0, name=None, **kwargs):
-        # Keras 3.5 to 3.11's Adam defaults to name="adam", so two LAMBs' slot
+        # Keras 3.8 to 3.11's Adam defaults to name="adam", so two LAMBs' slot
         # paths collide; None auto-names ("lamb_adam", "lamb_adam_1"), as
         # Keras 3.15 does.
         super().__init__(*args, name=name, **kwargs)
@@ -133,12 +133,13 @@ class LambAdam(keras.optimizers.Adam):
 
 
 def lamb_direction(lamb, gradient, variable, learning_rate, decay):
-    """Steps 1 and 2 of `lamb`: Adam's moments, and the step `lr * u` with
+    """Steps 1 and 2 (inner step, decay) of `lamb`: Adam's moments, `lr * u` with
     `u = m_hat / (sqrt(v_hat) + eps) + wd * w` as `(scale, direction)`.
 
-    Returns `(scale, direction, for_norm)`. `for_norm` is what step 3 takes
-    the norm of: `direction` itself, or, where XLA compiles the step (JAX
-    under `jit`, TensorFlow under XLA; `_rules.recomputes_for_norms`), a
+    Returns `(scale, direction, for_norm)`. `for_norm` is what step 3
+    (trust ratio) takes the norm of: `direction` itself, or, where XLA
+    compiles the step (JAX under `jit`, TensorFlow under XLA;
+    `_rules.recomputes_for_norms`), a
     function that computes the same values again from `m`, `v` and `w`.
     XLA then sums their squares in the pass that reads `m`, `v` and `w`,
     instead of writing the direction (used twice) to memory and reading it
@@ -206,9 +207,10 @@ class LAMB(TrustRatio):
     `model.fit` on a CPU), Adam's moments and the direction come from one
     pass of TensorFlow's fused `ResourceApplyAdam` kernel into a scratch
     buffer: one per distinct variable shape, made when the first dense
-    gradient of that shape arrives, never saved (for ResNet-50: 28 buffers,
-    45% of the parameters). Under XLA (TensorFlow's `jit_compile`, and JAX's
-    `jit`, as in the JAX trainer) the same rule runs as plain ops, and the
+    gradient of that shape arrives, never saved (how much memory that takes
+    for ResNet-50 is in docs/guides/benchmarks.md). Under XLA
+    (TensorFlow's `jit_compile`, and JAX's `jit`, as in the JAX trainer)
+    the same rule runs as plain ops, and the
     trust ratio's norm computes the direction again from `m`, `v` and `w`
     rather than storing it (`lamb_direction`).
 
@@ -325,12 +327,13 @@ class LAMB(TrustRatio):
         and the moments are each read once.
         """
         if _kernels.is_sparse(gradient):
-            # Step 5: Adam's own sparse update, no ratio, no weight decay.
+            # Step 6 (sparse gradients): Adam's own update, no ratio, no decay.
             self._inner_update_step(gradient, variable, learning_rate)
             return
         index = _internals.variable_index(self, variable)
         decay = self._variable_weight_decay[index]
-        # Steps 1 and 2: m, v and lr * (m_hat / (sqrt(v_hat) + eps) + wd w).
+        # Steps 1 and 2 (inner step, decay): m, v and
+        # lr * (m_hat / (sqrt(v_hat) + eps) + wd w).
         if (
             self._direction_buffers is not None
             and self.inner_optimizer.fusable
@@ -342,7 +345,8 @@ class LAMB(TrustRatio):
         scale, direction, for_norm = direction_of(
             self, gradient, variable, learning_rate, decay
         )
-        # Steps 3 and 4: T from |w| and |u|; w <- w - T * scale * direction.
+        # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
+        # w <- w - T * scale * direction.
         self._take_step(index, variable, scale, direction, learning_rate, for_norm)
 
     @property

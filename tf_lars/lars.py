@@ -1,10 +1,11 @@
 """Layer-wise Adaptive Rate Scaling (LARS) for Keras 3, on every backend.
 
 The update rule is docs/algorithms.md, section "LARS"; `LARS._trust_ratios`
-(step 2) and `LARS._update` (steps 1, 3 and 4) carry its numbers, in
-`keras.ops`. On the TensorFlow backend the norms and the momentum step run
-as TensorFlow kernels of the same signature, and sparse gradients take
-step 5 (`tf_lars/_tf_fast.py`).
+(step 2 (trust ratio)) and `LARS._update` (steps 1, 3 and 4 (decay in the
+gradient, local rate, momentum)) carry its numbers, in `keras.ops`. On the
+TensorFlow backend the norms and the momentum step run as TensorFlow kernels
+of the same signature, and sparse gradients take step 5 (sparse gradients)
+in `tf_lars/_tf_fast.py`.
 """
 
 import keras
@@ -32,14 +33,14 @@ _Apply = _kernels.CompiledApply if _kernels is not _rules else _rules.PlainApply
 
 
 def _decayed(gradient, variable, decay, dtype):
-    """`g + wd w` for step 2's norm, as a function that computes it.
+    """`g + wd w` for the norm of step 2 (trust ratio), as a function computing it.
 
     Written `g - (-wd) w` (the same float values) from `g`, `w` and `-wd`
-    taken `_rules.apart`, so that no term of it is step 4's `g + wd w`. XLA
-    then computes it inside the norm's pass over `g` and `w` (and again in
-    the range check's branch, `_rules.norms`, when that runs) instead of
-    writing it to a buffer as large as the variable and reading it back
-    (the decayed rows of docs/guides/benchmarks.md and
+    taken `_rules.apart`, so that no term of it is the `g + wd w` of
+    step 4 (momentum). XLA then computes it inside the norm's pass over `g`
+    and `w` (and again in the range check's branch, `_rules.norms`, when
+    that runs) instead of writing it to a buffer as large as the variable
+    and reading it back (the decayed rows of docs/guides/benchmarks.md and
     docs/guides/backends.md). The negation is what TensorFlow needs (it has
     no barrier op); the barrier keeps JAX's XLA from ever merging the two.
     `-wd` passes the barrier too: as a constant, JAX's XLA wrote its
@@ -129,6 +130,9 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
     >>> model.compile(optimizer=optimizer, loss="mse")
     """
 
+    #: `TrustRatio` refuses LARS as its inner optimizer (two trust ratios).
+    takes_no_trust_ratio = True
+
     def __init__(
         self,
         learning_rate=0.1,
@@ -210,7 +214,8 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         self._resolve_exclusions(variables)
 
     def _apply_weight_decay(self, variables):
-        # LARS's weight decay is coupled (steps 1 and 2); the base class's
+        # LARS's weight decay is coupled (steps 1 and 2 (decay in the
+        # gradient, trust ratio)); the base class's
         # decoupled decay must never run on top of it.
         return
 
@@ -222,11 +227,11 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         return _internals.learning_rate_at_update_count(self)
 
     # ------------------------------------------------------- the update rule
-    #: The norms of step 2 (`_rules.norms`, or TensorFlow's folded ones).
+    #: The norms of step 2 (trust ratio): `_rules.norms`, or TensorFlow's folded ones.
     _norms = staticmethod(_kernels.norms)
 
     def _trust_ratios(self, grads, variables):
-        """Step 2 for every dense gradient at once (`None` for sparse ones).
+        """Step 2 (trust ratio) for every dense gradient at once (`None`: sparse).
 
         The norms of all adapted variables of one compute dtype come from
         one `norms` call, and their ratios from one `trust_ratio` call.
@@ -246,7 +251,8 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
             weights = [ops.cast(variables[p], dtype) for p in positions]
             grads_in_norm = [ops.cast(grads[p], dtype) for p in positions]
             if self.trust_ratio == "decayed" and self.decay_in_gradient:
-                # |g'| with g' = g + wd w (step 1), apart from step 4's g'.
+                # |g'| with g' = g + wd w (step 1 (decay in the gradient)),
+                # apart from the g' of step 4 (momentum).
                 grads_in_norm = [
                     _decayed(g, w, decay, dtype) if decay != 0.0 else g
                     for g, w, decay in zip(grads_in_norm, weights, decays, strict=True)
@@ -269,30 +275,31 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         return ratios
 
     def update_step(self, gradient, variable, learning_rate):
-        """Updates one variable (`apply` batches step 2 over all of them)."""
+        """Updates one variable (`apply` batches step 2 (trust ratio) over all)."""
         ratio = self._trust_ratios([gradient], [variable])[0]
         self._update(gradient, variable, learning_rate, ratio)
 
     def _update(self, gradient, variable, learning_rate, ratio):
-        """Steps 1, 3, 4 (and 5) for one variable, given its trust ratio."""
+        """Steps 1, 3 and 4 (decay in the gradient, local rate, momentum), or
+        step 5 (sparse gradients), for one variable given its trust ratio."""
         index = _internals.variable_index(self, variable)
         slot = self.momentums[index] if self.momentum != 0 else None
         dtype = variable.dtype
-        if _kernels.is_sparse(gradient):  # Step 5 (TensorFlow only).
+        if _kernels.is_sparse(gradient):  # Step 5 (sparse gradients): TensorFlow.
             _kernels.sparse_momentum_step(self, gradient, variable, learning_rate, slot)
             return
-        # Step 1: coupled weight decay in the gradient.
+        # Step 1 (decay in the gradient): coupled weight decay.
         gradient = ops.cast(gradient, dtype)
         decay = self._variable_weight_decay[index]
         if self.decay_in_gradient and decay != 0.0:
             gradient = gradient + ops.convert_to_tensor(decay, dtype) * variable
-        # Step 3: the local rate.
+        # Step 3 (local rate).
         learning_rate = ops.cast(learning_rate, ratio.dtype)
         if self.trust_clip and self._variable_adapted[index]:
             rate = ops.cast(ops.minimum(ratio, learning_rate), dtype)
         else:
             rate = ops.cast(learning_rate * ratio, dtype)
-        # Step 4: momentum.
+        # Step 4 (momentum).
         if slot is None:
             self.assign_sub(variable, rate * gradient)
         elif self.classic_momentum:  # v <- mu v + r g';  w <- w - v

@@ -134,14 +134,16 @@ def _snapshot(variable):
 def _pop_base_defaults(kwargs):
     """Removes base arguments at their defaults; refuses any other value.
 
-    Keras 3.15's `LossScaleOptimizer` refuses them itself; Keras 3.5 to 3.11
-    accepted and silently ignored them, so the wrapper checks on every release.
+    Keras 3.15's `LossScaleOptimizer` refuses them itself; Keras 3.8 to 3.11
+    accepted and silently ignored them, so the wrapper checks on every release,
+    in Keras's own words (code matching Keras's message keeps working).
     """
     for name, default in BASE_ARGUMENT_DEFAULTS.items():
         if name in kwargs and kwargs[name] != default:
             raise ValueError(
-                f"LossScaleOptimizer does not support `{name}`; set it on "
-                f"`inner_optimizer`. Received: {name}={kwargs[name]!r}"
+                f"LossScaleOptimizer does not support `{name}`. Instead, set "
+                f"`{name}` on the `inner_optimizer`. Received: "
+                f"{name}={kwargs[name]!r}"
             )
         kwargs.pop(name, None)
 
@@ -270,7 +272,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
             shape=(),
             dtype="int",
             initializer="zeros",
-            aggregation=_internals.unaggregated(),
+            aggregation="none",
             name="skipped_step_counter",
         )
 
@@ -302,7 +304,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         """The inner optimizer's step count (the wrapper's own never moves).
 
         Keras's `LossScaleOptimizer` reports the inner count in 3.11 (and
-        3.15); 3.5 to 3.8 report the wrapper's own, which stays 0 here.
+        3.15); 3.8 reports the wrapper's own, which stays 0 here.
         """
         return self.inner_optimizer.iterations
 

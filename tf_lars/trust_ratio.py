@@ -40,23 +40,22 @@ _OUTER_ARGUMENTS = (
 
 
 def _check_inner_optimizer(inner_optimizer):
-    from tf_lars.lars import LARS
-
-    refused = (keras.optimizers.LossScaleOptimizer, TrustRatio, LARS)
-    # Keras's own `Lamb` already applies a trust ratio: a second one on top
-    # of it is no published rule (`tf_lars.LAMB` is the wrapped Adam).
+    # tf_lars's own refusals carry a marker (`takes_no_trust_ratio`: LARS,
+    # AGN, TrustRatio, LAMB, the loss scale); Keras's loss scale wraps a whole
+    # optimizer, and Keras's own `Lamb` already applies a trust ratio: a
+    # second one on top of it is no published rule (`tf_lars.LAMB` is the
+    # wrapped Adam).
+    refused = (keras.optimizers.LossScaleOptimizer,)
     refused += (keras.optimizers.Lamb,) if hasattr(keras.optimizers, "Lamb") else ()
-    if keras.backend.backend() == "tensorflow":  # AGN exists there only.
-        from tf_lars.agn import AGN
-
-        refused += (AGN,)
 
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
         raise ValueError(
             "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
-    if isinstance(inner_optimizer, refused):
+    if isinstance(inner_optimizer, refused) or getattr(
+        inner_optimizer, "takes_no_trust_ratio", False
+    ):
         raise ValueError(
             "`inner_optimizer` must be a plain Keras optimizer (SGD, Adam, "
             "AdamW, Lion, ...), not a loss-scale, AGN, LARS, TrustRatio or "
@@ -314,7 +313,7 @@ class TrustRatio(
         self.inner_optimizer.learning_rate = learning_rate
 
     def _apply_weight_decay(self, variables):
-        # The decay is inside the ratio (step 1); never the base class's.
+        # The decay is inside the ratio (step 2 (decay)); never the base class's.
         return
 
     # ------------------------------------------------------- the update rule
@@ -324,8 +323,9 @@ class TrustRatio(
         # as it would alone; for each variable it calls `update_step`, which
         # is this wrapper's for the duration.
         # Where a compiler sees the whole step, `_take_step` defers steps 3
-        # and 4 to one `_take_steps` over every variable (kept in `__dict__`,
-        # out of Keras's and TensorFlow's tracking).
+        # to 5 (trust ratio, clip, update) to one `_take_steps` over every
+        # variable (kept in `__dict__`, out of Keras's and TensorFlow's
+        # tracking).
         inner = self.inner_optimizer
         inner.__dict__["update_step"] = self.update_step
         if _kernels.batches_trust_ratios(grads):
@@ -349,15 +349,16 @@ class TrustRatio(
         type(inner).update_step(inner, gradient, variable, learning_rate)
 
     def update_step(self, gradient, variable, learning_rate):
-        """Steps 1-5 for one variable (docs/algorithms.md)."""
+        """Steps 1-6 (inner step, decay, trust ratio, clip, update, sparse
+        gradients) for one variable (docs/algorithms.md)."""
         if _kernels.is_sparse(gradient):
-            # Step 5: the inner optimizer's own sparse update, no ratio, on
+            # Step 6 (sparse gradients): the inner optimizer's own update, on
             # the gradient with repeated rows summed.
             gradient = _kernels.summed_rows(gradient)
             self._inner_update_step(gradient, variable, learning_rate)
             return
         index = _internals.variable_index(self, variable)
-        # Steps 1 and 2: lr * u = scale * direction, weight decay included.
+        # Steps 1 and 2 (inner step, decay): lr * u = scale * direction.
         scale, direction = self._inner_step(
             gradient, variable, learning_rate, self._variable_weight_decay[index]
         )
@@ -366,7 +367,7 @@ class TrustRatio(
     def _take_step(
         self, index, variable, scale, direction, learning_rate, for_norm=None
     ):
-        """Steps 3 and 4: `w <- w - T * scale * direction`, `T` recorded.
+        """Steps 3 to 5 (trust ratio, clip, update): `w <- w - T * scale * d`.
 
         `for_norm`: the direction for the norm, or a function computing it
         (`tf_lars.lamb.lamb_direction`); defaults to `direction`.
@@ -402,7 +403,7 @@ class TrustRatio(
                 _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
-        """Steps 1 and 2: `lr * u` as `(scale, direction)`.
+        """Steps 1 and 2 (inner step, decay): `lr * u` as `(scale, direction)`.
 
         The inner optimizer runs its own `update_step`; its write to
         `variable` is captured (`s = w - w_new`) and taken with scale 1;
@@ -428,7 +429,7 @@ class TrustRatio(
         )
 
     def _with_decay(self, direction, scale, variable, learning_rate, decay):
-        """Step 2: u = d + wd * w, kept as lr * u = scale * (direction +
+        """Step 2 (decay): u = d + wd * w, kept as lr * u = scale * (direction +
         (lr * wd / scale) * w)."""
         if decay == 0.0:
             return direction
@@ -436,8 +437,8 @@ class TrustRatio(
         return direction + factor * ops.convert_to_tensor(variable)
 
     def _step_trust_ratios(self, variables, directions, scales, learning_rate):
-        """Step 3 for variables of one compute dtype, as one vector: `T` from
-        `|w|` and `|u| = |scale| |direction| / lr`.
+        """Step 3 (trust ratio) for variables of one compute dtype, as one
+        vector: `T` from `|w|` and `|u| = |scale| |direction| / lr`.
 
         `directions`: tensors, or functions returning them (see `norms`).
         """

@@ -12,6 +12,7 @@
   from the chief's backup) and exact (optimizer state included).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +34,85 @@ def _with_leading_axis(value):
     return value
 
 
+def build_from_local_batch(model):
+    """Makes `model` build its state from a local batch, not a reduced one.
+
+    Replaces Keras's `_maybe_symbolic_build` for this model only
+    (`_internals.replace_symbolic_build`, which says why): the first batch
+    of the distributed iterator is taken, each `DistributedValues` replaced
+    by this worker's first local value (only shapes and dtypes matter), and
+    Keras's own `_symbolic_build` runs on it in the strategy's scope. The
+    class and other models are unchanged. Where Keras writes metric
+    variables through on every replica (3.8; `_metrics_sync_on_write`), the
+    loss tracker and the compiled metrics are made to sum on read instead,
+    so that `fit` logs the loss of the global batch.
+    """
+    strategy = model.distribute_strategy
+    on_write = _metrics_sync_on_write(model)
+
+    def first_local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    def local_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            # Keras's epoch iterator yields (begin, end, tf iterator) from
+            # Keras 3.11 on and (step, tf iterator) in 3.8: the last item.
+            for item in iterator:
+                data_batch = next(item[-1])
+                break
+        if data_batch is not None:
+            data_batch = tf.nest.map_structure(first_local, data_batch)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(strategy.scope())
+            if on_write:
+                stack.enter_context(tf.variable_creator_scope(_sum_on_read))
+            symbolic_build(data_batch=data_batch)
+
+    symbolic_build = _internals.replace_symbolic_build(model, local_symbolic_build)
+    if on_write:
+        # The loss tracker `compile` made, replaced by one whose variables
+        # sum on read; `_symbolic_build` creates the compiled metrics so too.
+        with strategy.scope(), tf.variable_creator_scope(_sum_on_read):
+            _internals.set_loss_tracker(model, lambda: keras.metrics.Mean(name="loss"))
+    return model
+
+
+def _sum_on_read(next_creator, **kwargs):
+    """Variable creator: a `"sum"` variable with no synchronization set is
+    created `ON_READ` (each replica keeps its own part; a read sums them).
+    Only Keras metrics create `"sum"` variables."""
+    if (
+        kwargs.get("aggregation") == tf.VariableAggregation.SUM
+        and kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        == tf.VariableSynchronization.AUTO
+    ):
+        kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+    return next_creator(**kwargs)
+
+
+def _metrics_sync_on_write(model):
+    """Whether this Keras writes metric variables through on every replica.
+
+    Keras 3.8 creates a metric's `"sum"` variables as mirrored (`ON_WRITE`)
+    variables, and a metric updates them with `assign(total + value)`: under
+    a strategy with several replicas each write is summed over the replicas,
+    so the running totals double at each step and `fit` logs a wrong loss
+    (tests/distribute_multi_worker_test.py, on the oldest pair). Keras
+    creates them `ON_READ` since keras-team/keras#21072 (March 2025; 3.11
+    does); the weights were never affected.
+    """
+    tracker = _internals.loss_tracker_of(model)
+    if tracker is None or not tracker.variables:
+        return False
+    value = _internals.backing_variable(tracker.variables[0])
+    return (
+        isinstance(value, tf.distribute.DistributedValues)
+        and value.synchronization != tf.VariableSynchronization.ON_READ
+    )
+
+
 def enable_multi_worker_fit(model):
     """Lets `model.fit` and `model.evaluate` run under MWMS (Keras 3.15).
 
@@ -43,7 +123,7 @@ def enable_multi_worker_fit(model):
     Keras 3.15 fails twice under `MultiWorkerMirroredStrategy`: its
     `_maybe_symbolic_build` reduces a tuple of `PerReplica` batches, and its
     steps reduce scalar logs along axis 0. The model is built from this
-    worker's local batch instead (`tf_lars._internals`), and the instance's
+    worker's local batch instead (`build_from_local_batch`), and the instance's
     `train_step` / `test_step` return scalars with a leading axis of 1.
     Gradients and the update are untouched. Why, and when to remove it:
     docs/guides/multi-worker.md, "The Keras workaround and when to remove it".
@@ -70,7 +150,7 @@ def enable_multi_worker_fit(model):
     strategy = model.distribute_strategy
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return model
-    _internals.build_from_local_batch(model)
+    build_from_local_batch(model)
     for name in ("train_step", "test_step"):
         step = getattr(model, name)
 

@@ -1,5 +1,9 @@
 """The worker side of `tf_lars.AGN` under `ParameterServerStrategy`."""
 
+import contextlib
+import functools
+import itertools
+
 import keras
 import tensorflow as tf
 
@@ -12,6 +16,108 @@ from tf_lars.agn import (
     normalized,
     reset,
 )
+
+_ids = itertools.count()
+
+
+class WorkerLocalHandle:
+    """A `PerWorkerVariable` whose handle is captured once per traced function.
+
+    AGN keeps a local copy of the model, the gradient accumulators and the
+    local optimizer slots on each worker. TensorFlow's
+    `tf.Variable(..., per_worker_variable=True)` (a `PerWorkerVariable`) is
+    the mechanism, but as shipped it is unusable for an optimizer: every
+    access to its `handle` inside a `tf.function` captures a *new* call-time
+    placeholder, so automatic control dependencies see unrelated resources and
+    reorder reads and writes (measured: two `assign_add`s followed by a read
+    returned the initial value). There is no public per-worker variable an
+    optimizer can update in program order.
+
+    This mixin captures the worker's handle under a stable key, so every op
+    in a traced function refers to one placeholder and runs in program order.
+    Inside `tf.cond` / `tf.while_loop` bodies (which do not forward call-time
+    captures; TF documents per-worker variables as unreadable in `tf.cond`
+    branches) it captures the handle in the enclosing function and passes it
+    into the branch as an ordinary captured tensor, so a loss-scale
+    optimizer's conditional update works on worker-local variables, with or
+    without XLA. Everything else (creation on each worker, re-creation when a
+    restarted worker comes back, `read_all`) is TensorFlow's own; the private
+    members it needs are read through `tf_lars._internals`.
+
+    Caveats (TensorFlow's, unchanged): values are lost when a worker restarts
+    (the variable is re-created with its initial value), they are never
+    checkpointed, and they must not be created inside a `tf.function`.
+    `worker_local_variable_class()` joins it to TensorFlow's class on first
+    use, so that `import tf_lars` never touches `PerWorkerVariable`.
+    """
+
+    def __init__(self, strategy, next_creator, **kwargs):
+        super().__init__(strategy, next_creator, **kwargs)
+        # Keras optimizers key their slots by the unique id; PerWorkerVariable
+        # leaves it None for every instance.
+        unique_id = f"tf_lars_worker_local_{next(_ids)}"
+        _internals.set_unique_id(self, unique_id)
+        self._capture_key = ("tf_lars_worker_local", unique_id)
+
+    @property
+    def handle(self):
+        if _internals.reads_the_coordinator_handle():
+            return _internals.coordinator_handle(self)
+        _internals.create_per_worker_values(self)
+        closure, spec = self.handle_call_time_value()
+        function_graph, graph = _internals.function_graph_of_branch()
+        with function_graph.as_default():
+            handle = function_graph.capture_call_time_value(
+                closure, spec, key=self._capture_key
+            )
+        if function_graph is graph:
+            return handle
+        return graph.capture(handle)
+
+    def read_each_worker(self):
+        """Each worker's value as a NumPy value, None for a worker that is down."""
+        _internals.create_per_worker_values(self)
+        values = []
+        for remote in _internals.per_worker_remote_values(self):
+            try:
+                values.append(remote.get().numpy())
+            except Exception:  # noqa: BLE001 - a failed worker reads as None
+                values.append(None)
+        return values
+
+
+@functools.cache
+def worker_local_variable_class():
+    """`WorkerLocalVariable`: `WorkerLocalHandle` over TF's `PerWorkerVariable`."""
+    base = _internals.per_worker_variable_class()
+    return type("WorkerLocalVariable", (WorkerLocalHandle, base), {})
+
+
+@contextlib.contextmanager
+def worker_local_scope(strategy):
+    """Variables created in this scope are `WorkerLocalVariable`s.
+
+    Args:
+        strategy: the `tf.distribute.ParameterServerStrategy`; a
+            `ClusterCoordinator` must already exist for it.
+    """
+    if _internals.coordinator_of(strategy) is None:
+        raise ValueError(
+            "Create `tf.distribute.coordinator.ClusterCoordinator(strategy)` "
+            "before building worker-local variables."
+        )
+
+    variable_class = worker_local_variable_class()
+
+    def creator(next_creator, **kwargs):
+        # Colocation with a parameter-server variable and the strategy's own
+        # per-worker flag do not apply: the variable lives on every worker.
+        kwargs.pop("colocate_with", None)
+        kwargs.pop("per_worker_variable", None)
+        return variable_class(strategy, next_creator, **kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
 
 
 def check_strategy_and_agn(strategy, agn, argument):
@@ -118,7 +224,7 @@ class ParameterServerAGN:
         # to arrive, so a worker dying mid-push cannot hold it.
         with strategy.scope(), tf.device(self.center_variables[0].value.device):
             self._lock = tf.CriticalSection(name=f"{self.name}_commit")
-        with _internals.worker_local_scope(strategy), keras.name_scope(self.name):
+        with worker_local_scope(strategy), keras.name_scope(self.name):
             self.local_variables = [
                 mark_stand_in(_worker_variable(v, "local"), v)
                 for v in self.center_variables
