@@ -59,20 +59,6 @@ def _tiny_config(path, **blocks):
     return str(path)
 
 
-def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _assert_one_line_error(code, err, expected):
-    assert code == 2
-    assert "Traceback" not in err
-    assert err.count("\n") == 1, err
-    assert err.startswith("tf-lars train: error: "), err
-    assert expected in err, err
-
-
 def _weights(path):
     return keras.models.load_model(path).get_weights()
 
@@ -271,30 +257,28 @@ BAD_DISTRIBUTE = [
 
 
 @pytest.mark.parametrize("argv, expected", BAD_DISTRIBUTE)
-def test_bad_distribute_config(argv, expected, tmp_path, capsys):
+def test_bad_distribute_config(argv, expected, tmp_path, one_line_error, run_cli):
     output = tmp_path / "out"
-    code, _, err = _run(capsys, "train", *argv, "--set", f"output_dir={output}")
-    _assert_one_line_error(code, err, expected)
+    code, _, err = run_cli("train", *argv, "--set", f"output_dir={output}")
+    assert expected in one_line_error(code, err, "train")
     assert not output.exists()
 
 
-def test_logical_cpus_once_devices_are_initialized(tmp_path, capsys):
+def test_logical_cpus_once_devices_are_initialized(tmp_path, one_line_error, run_cli):
     # This process has set up its devices: the CPU cannot be split any more.
     have = len(tf.config.list_logical_devices("CPU"))
     output = tmp_path / "out"
-    code, _, err = _run(
-        capsys, "train", "--set", "distribute.strategy=mirrored",
+    code, _, err = run_cli(
+        "train", "--set", "distribute.strategy=mirrored",
         "--set", f"distribute.logical_cpus={have + 1}",
         "--set", f"output_dir={output}",
     )  # fmt: skip
-    _assert_one_line_error(
-        code,
-        err,
+    assert (
         "`distribute.logical_cpus` must be set before TensorFlow initializes its "
         f"devices, and this process already has {have} CPU device(s); run "
         "`tf-lars train` in a new process. Received: distribute.logical_cpus="
-        f"{have + 1}",
-    )
+        f"{have + 1}"
+    ) in one_line_error(code, err, "train")
     assert not output.exists()
 
 
@@ -313,23 +297,25 @@ TF_CONFIG_ERRORS = [
 
 @pytest.mark.parametrize("tf_config, expected", TF_CONFIG_ERRORS)
 def test_multi_worker_bad_tf_config_is_one_line(
-    tf_config, expected, tmp_path, capsys, monkeypatch
+    tf_config, expected, tmp_path, monkeypatch, one_line_error, run_cli
 ):
     if tf_config is None:
         monkeypatch.delenv("TF_CONFIG", raising=False)
     else:
         monkeypatch.setenv("TF_CONFIG", tf_config)
     output = tmp_path / "out"
-    code, out, err = _run(
-        capsys, "train", "--set", "distribute.strategy=multi_worker",
+    code, out, err = run_cli(
+        "train", "--set", "distribute.strategy=multi_worker",
         "--set", f"output_dir={output}",
     )  # fmt: skip
-    _assert_one_line_error(code, err, expected)
+    assert expected in one_line_error(code, err, "train")
     assert out == ""
     assert not output.exists()
 
 
-def test_tf_config_without_multi_worker_is_refused(tmp_path, capsys, monkeypatch):
+def test_tf_config_without_multi_worker_is_refused(
+    tmp_path, monkeypatch, one_line_error, run_cli
+):
     # Each task would train alone and write the same run folder.
     monkeypatch.setenv(
         "TF_CONFIG",
@@ -337,14 +323,12 @@ def test_tf_config_without_multi_worker_is_refused(tmp_path, capsys, monkeypatch
                     "task": {"type": "worker", "index": 1}}),
     )  # fmt: skip
     output = tmp_path / "out"
-    code, _, err = _run(capsys, "train", "--set", f"output_dir={output}")
-    _assert_one_line_error(
-        code,
-        err,
+    code, _, err = run_cli("train", "--set", f"output_dir={output}")
+    assert (
         "TF_CONFIG is set (this process is a task of a cluster), so "
         "`distribute.strategy` must be multi_worker (or unset TF_CONFIG). "
-        "Received: distribute.strategy='none'",
-    )
+        "Received: distribute.strategy='none'"
+    ) in one_line_error(code, err, "train")
     assert not output.exists()
 
 

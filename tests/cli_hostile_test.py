@@ -25,7 +25,6 @@ import yaml
 
 from tf_lars.cli import preflight
 from tf_lars.cli.config import ConfigError, load_config
-from tf_lars.cli.main import main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -38,20 +37,6 @@ RUN_NAME_RULE = (
     "`run_name` must be one folder name (not empty, '.' or '..', without '/', NUL "
     "or unpaired surrogate characters) or null"
 )
-
-
-def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _one_line_error(code, err, command="train"):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"tf-lars {command}: error: "), err
-    return lines[0]
 
 
 def _env(**extra):
@@ -121,16 +106,18 @@ def _refused_before_tensorflow(argv, cwd):
         ('"a\\ud800b"', "'a\\ud800b'"),
     ],
 )
-def test_a_run_name_is_one_folder_name(run_name, shown, tmp_path, capsys):
+def test_a_run_name_is_one_folder_name(
+    run_name, shown, tmp_path, one_line_error, run_cli
+):
     output = tmp_path / "runs"
     # An absolute name: one inside tmp_path, so that nothing lands elsewhere.
     run_name = run_name.replace("/TMP", str(tmp_path))
     shown = shown.replace("/TMP", str(tmp_path))
-    code, out, err = _run(
-        capsys, "train", "--set", f"output_dir={output}",
+    code, out, err = run_cli(
+        "train", "--set", f"output_dir={output}",
         "--set", f"run_name={run_name}", *CHEAP,
     )  # fmt: skip
-    assert _one_line_error(code, err) == (
+    assert one_line_error(code, err) == (
         f"tf-lars train: error: {RUN_NAME_RULE}. Received: run_name={shown}"
     )
     assert out == ""
@@ -140,9 +127,11 @@ def test_a_run_name_is_one_folder_name(run_name, shown, tmp_path, capsys):
 @pytest.mark.parametrize(
     "output_dir, shown", [('"a\\0b"', "'a\\x00b'"), ('"a\\udc80b"', "'a\\udc80b'")]
 )
-def test_an_output_dir_with_nul_or_a_lone_surrogate(output_dir, shown, capsys):
-    code, _, err = _run(capsys, "train", "--set", f"output_dir={output_dir}", *CHEAP)
-    assert _one_line_error(code, err) == (
+def test_an_output_dir_with_nul_or_a_lone_surrogate(
+    output_dir, shown, one_line_error, run_cli
+):
+    code, _, err = run_cli("train", "--set", f"output_dir={output_dir}", *CHEAP)
+    assert one_line_error(code, err) == (
         "tf-lars train: error: `output_dir` must be a path without NUL or unpaired "
         f"surrogate characters. Received: output_dir={shown}"
     )
@@ -155,29 +144,33 @@ def _parent_files(folder):
     return sorted(path.name for path in folder.iterdir())
 
 
-def test_overwrite_deletes_nothing_outside_the_run_folder(tmp_path, capsys):
+def test_overwrite_deletes_nothing_outside_the_run_folder(
+    tmp_path, one_line_error, run_cli
+):
     output = tmp_path / "runs"
     names = _parent_files(tmp_path)
-    code, _, err = _run(
-        capsys, "train", "--overwrite", "--set", f"output_dir={output}",
+    code, _, err = run_cli(
+        "train", "--overwrite", "--set", f"output_dir={output}",
         "--set", "run_name=..", *CHEAP,
     )  # fmt: skip
-    assert _one_line_error(code, err).endswith("Received: run_name='..'")
+    assert one_line_error(code, err).endswith("Received: run_name='..'")
     assert sorted(path.name for path in tmp_path.iterdir()) == names
     assert (tmp_path / "config.yaml").read_text() == "the user's"
     assert (tmp_path / "tensorboard" / "events").read_text() == "the user's"
 
 
-def test_overwrite_refuses_a_run_folder_that_is_a_symbolic_link(tmp_path, capsys):
+def test_overwrite_refuses_a_run_folder_that_is_a_symbolic_link(
+    tmp_path, one_line_error, run_cli
+):
     elsewhere = tmp_path / "elsewhere"
     names = _parent_files(elsewhere)
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "link").symlink_to(elsewhere)
-    code, _, err = _run(
-        capsys, "train", "--overwrite", "--set", f"output_dir={tmp_path / 'runs'}",
+    code, _, err = run_cli(
+        "train", "--overwrite", "--set", f"output_dir={tmp_path / 'runs'}",
         "--set", "run_name=link", *CHEAP,
     )  # fmt: skip
-    assert _one_line_error(code, err) == (
+    assert one_line_error(code, err) == (
         f"tf-lars train: error: the run folder {tmp_path / 'runs' / 'link'} exists "
         "and is a symbolic link; choose another `run_name`. Received: run_name='link'"
     )
@@ -194,19 +187,20 @@ def _hold(folder):
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_folder_another_run_holds_is_refused(overwrite, tmp_path, capsys):
+def test_a_folder_another_run_holds_is_refused(
+    overwrite, tmp_path, one_line_error, run_cli
+):
     folder = tmp_path / "r"
     folder.mkdir()
     (folder / "history.json").write_text("the other run's")
     descriptor = _hold(folder)
     try:
-        code, out, err = _run(
-            capsys, "train", *(["--overwrite"] if overwrite else []),
+        code, out, err = run_cli("train", *(["--overwrite"] if overwrite else []),
             "--set", f"output_dir={tmp_path}", "--set", "run_name=r", *CHEAP,
         )  # fmt: skip
     finally:
         os.close(descriptor)
-    assert _one_line_error(code, err) == (
+    assert one_line_error(code, err) == (
         f"tf-lars train: error: the run folder {folder} is taken: another tf-lars "
         "run is writing it; choose another `run_name`. Received: run_name='r'"
     )
@@ -362,18 +356,16 @@ def test_sigterm_is_handled_as_ctrl_c_with_status_143(tmp_path):
 
 # ------------------------------------------------------- config replay
 @pytest.mark.parametrize("loss_scaled", [False, True])
-def test_a_lamb_runs_config_yaml_replays(loss_scaled, tmp_path, capsys):
+def test_a_lamb_runs_config_yaml_replays(loss_scaled, tmp_path, run_cli):
     argv = [
         "--set", f"output_dir={tmp_path}", *CHEAP,
         "--set", "optimizer={class_name: LAMB, config: {learning_rate: 0.01}}",
         "--set", f"loss_scale.enabled={str(loss_scaled).lower()}",
     ]  # fmt: skip
-    code, _, err = _run(capsys, "train", *argv, "--set", "run_name=first")
+    code, _, err = run_cli("train", *argv, "--set", "run_name=first")
     assert code == 0, err
     saved = tmp_path / "first" / "config.yaml"
-    code, _, err = _run(
-        capsys, "train", "--config", str(saved), "--set", "run_name=again"
-    )
+    code, _, err = run_cli("train", "--config", str(saved), "--set", "run_name=again")
     assert code == 0, err
     first = yaml.safe_load(saved.read_text())
     again = yaml.safe_load((tmp_path / "again" / "config.yaml").read_text())
@@ -542,12 +534,14 @@ def test_labels_beyond_the_class_bound(tmp_path):
          "inner optimizer here instead"),
     ],
 )  # fmt: skip
-def test_a_wrapper_optimizer_is_refused(class_name, advice, tmp_path, capsys):
-    code, _, err = _run(
-        capsys, "train", "--set", f"optimizer={{class_name: {class_name}}}",
+def test_a_wrapper_optimizer_is_refused(
+    class_name, advice, tmp_path, one_line_error, run_cli
+):
+    code, _, err = run_cli(
+        "train", "--set", f"optimizer={{class_name: {class_name}}}",
         "--set", f"output_dir={tmp_path}/o", *CHEAP,
     )  # fmt: skip
-    assert _one_line_error(code, err) == (
+    assert one_line_error(code, err) == (
         f"tf-lars train: error: `optimizer.class_name` names an optimizer wrapper: "
         f"{advice}. Received: optimizer.class_name='{class_name}'"
     )

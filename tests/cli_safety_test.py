@@ -16,8 +16,6 @@ import time
 import numpy as np
 import pytest
 
-from tf_lars.cli.main import main
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
 
@@ -33,20 +31,6 @@ CHEAP = {
 }  # fmt: skip
 
 
-def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _one_line_error(code, err, command):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"tf-lars {command}: error: "), err
-    return lines[0]
-
-
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -55,15 +39,17 @@ def _env(**extra):
 
 # ------------------------------------------------------------ run folders
 @pytest.mark.parametrize("command", ["train", "sweep"])
-def test_an_existing_named_run_folder_is_refused(command, tmp_path, capsys):
+def test_an_existing_named_run_folder_is_refused(
+    command, tmp_path, one_line_error, run_cli
+):
     earlier = tmp_path / "runs" / "mine"
     earlier.mkdir(parents=True)
     (earlier / "history.json").write_text("the earlier run")
-    code, out, err = _run(
-        capsys, command, "--set", f"output_dir={tmp_path / 'runs'}",
+    code, out, err = run_cli(
+        command, "--set", f"output_dir={tmp_path / 'runs'}",
         "--set", "run_name=mine", *CHEAP[command],
     )  # fmt: skip
-    line = _one_line_error(code, err, command)
+    line = one_line_error(code, err, command)
     assert line == (
         f"tf-lars {command}: error: the run folder {earlier} exists (an earlier "
         "run); choose another `run_name` (e.g. --set run_name=NAME), or give "
@@ -74,14 +60,14 @@ def test_an_existing_named_run_folder_is_refused(command, tmp_path, capsys):
     assert (earlier / "history.json").read_text() == "the earlier run"
 
 
-def test_overwrite_replaces_the_earlier_runs_files(tmp_path, capsys):
+def test_overwrite_replaces_the_earlier_runs_files(tmp_path, run_cli):
     folder = tmp_path / "mine"
     folder.mkdir()
     # An earlier LARS run's files; the SGD run below writes no trust ratios.
     (folder / "trust_ratio.png").write_text("stale")
     (folder / "notes.txt").write_text("the user's own file")
-    code, out, err = _run(
-        capsys, "train", "--overwrite", "--set", f"output_dir={tmp_path}",
+    code, out, err = run_cli(
+        "train", "--overwrite", "--set", f"output_dir={tmp_path}",
         "--set", "run_name=mine", "--set", "training.epochs=2",
         "--set", "schedule.name=none", "--set", "model.width=4",
         "--set", "optimizer={class_name: SGD, config: {learning_rate: 0.1}}",
@@ -235,29 +221,29 @@ def test_a_training_shown_as_finished_is_kept_by_a_ctrl_c_at_once(monkeypatch):
 
 
 # ------------------------------------------------------ one-line errors
-def test_a_config_file_that_is_not_text(tmp_path, capsys):
+def test_a_config_file_that_is_not_text(tmp_path, one_line_error, run_cli):
     binary = tmp_path / "b.yaml"
     binary.write_bytes(bytes(range(256)))
-    code, _, err = _run(capsys, "train", "--config", str(binary))
-    assert _one_line_error(code, err, "train") == (
+    code, _, err = run_cli("train", "--config", str(binary))
+    assert one_line_error(code, err, "train") == (
         f"tf-lars train: error: --config {binary}: not a text file (byte 128 is "
         "not UTF-8); give a YAML file of config keys"
     )
 
 
-def test_an_error_in_the_config_file_names_the_file(tmp_path, capsys):
+def test_an_error_in_the_config_file_names_the_file(tmp_path, one_line_error, run_cli):
     path = tmp_path / "c.yaml"
     path.write_text("training:\n  epochs: ten\n")
-    code, _, err = _run(capsys, "train", "--config", str(path))
-    assert _one_line_error(code, err, "train") == (
+    code, _, err = run_cli("train", "--config", str(path))
+    assert one_line_error(code, err, "train") == (
         f"tf-lars train: error: --config {path}: `training.epochs` must be an int "
         ">= 1. Received: training.epochs='ten'"
     )
     # The same value from --set (applied last) is named as before.
-    code, _, err = _run(
-        capsys, "train", "--config", str(path), "--set", "training.epochs=eleven"
+    code, _, err = run_cli(
+        "train", "--config", str(path), "--set", "training.epochs=eleven"
     )
-    assert _one_line_error(code, err, "train") == (
+    assert one_line_error(code, err, "train") == (
         "tf-lars train: error: `training.epochs` must be an int >= 1. "
         "Received: training.epochs='eleven'"
     )
@@ -265,14 +251,16 @@ def test_an_error_in_the_config_file_names_the_file(tmp_path, capsys):
     optimizer.write_text(
         "optimizer:\n  class_name: SGD\n  config: {learning_rate: 0.1, nesterov: 1}\n"
     )
-    code, _, err = _run(capsys, "train", "--config", str(optimizer))
-    assert _one_line_error(code, err, "train") == (
+    code, _, err = run_cli("train", "--config", str(optimizer))
+    assert one_line_error(code, err, "train") == (
         f"tf-lars train: error: --config {optimizer}: `optimizer.config.nesterov` "
         "must be true or false. Received: optimizer.config.nesterov=1"
     )
 
 
-def test_data_that_is_not_an_npz_gets_no_pickle_advice(tmp_path, capsys):
+def test_data_that_is_not_an_npz_gets_no_pickle_advice(
+    tmp_path, one_line_error, run_cli
+):
     npy = tmp_path / "x.npy"
     np.save(npy, np.zeros(3))
     pickled = tmp_path / "p.npz"
@@ -289,14 +277,16 @@ def test_data_that_is_not_an_npz_gets_no_pickle_advice(tmp_path, capsys):
         (pickled, "holds object (pickled) arrays, which are not loaded: x_train, "
          "y_train, x_test, y_test must be numeric arrays"),
     ):  # fmt: skip
-        code, _, err = _run(capsys, "train", "--set", f"data.path={path}")
-        line = _one_line_error(code, err, "train")
+        code, _, err = run_cli("train", "--set", f"data.path={path}")
+        line = one_line_error(code, err, "train")
         assert line == f"tf-lars train: error: data.path={path}: {expected}"
         assert "allow_pickle" not in line
 
 
 @pytest.mark.parametrize("command", ["train", "sweep"])
-def test_an_output_dir_that_cannot_hold_a_run_folder(command, tmp_path, capsys):
+def test_an_output_dir_that_cannot_hold_a_run_folder(
+    command, tmp_path, one_line_error, run_cli
+):
     regular = tmp_path / "file"
     regular.write_text("x")
     for output_dir, expected in (
@@ -304,16 +294,18 @@ def test_an_output_dir_that_cannot_hold_a_run_folder(command, tmp_path, capsys):
         (regular / "runs", f"`output_dir` is under {regular}, which is a file, "
          "not a folder"),
     ):  # fmt: skip
-        code, _, err = _run(
-            capsys, command, "--set", f"output_dir={output_dir}", *CHEAP[command]
+        code, _, err = run_cli(
+            command, "--set", f"output_dir={output_dir}", *CHEAP[command]
         )
-        assert _one_line_error(code, err, command) == (
+        assert one_line_error(code, err, command) == (
             f"tf-lars {command}: error: {expected}. Received: output_dir='{output_dir}'"
         )
 
 
 @pytest.mark.parametrize("command", ["train", "sweep"])
-def test_a_read_only_output_dir(command, tmp_path, capsys, monkeypatch):
+def test_a_read_only_output_dir(
+    command, tmp_path, monkeypatch, one_line_error, run_cli
+):
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     read_only.chmod(0o555)
@@ -327,12 +319,12 @@ def test_a_read_only_output_dir(command, tmp_path, capsys, monkeypatch):
             lambda path, mode: access(path, mode) and str(path) != str(read_only),
         )
     try:
-        code, _, err = _run(
-            capsys, command, "--set", f"output_dir={read_only}/runs", *CHEAP[command]
+        code, _, err = run_cli(
+            command, "--set", f"output_dir={read_only}/runs", *CHEAP[command]
         )
     finally:
         read_only.chmod(0o755)
-    assert _one_line_error(code, err, command) == (
+    assert one_line_error(code, err, command) == (
         f"tf-lars {command}: error: `output_dir`: cannot write in {read_only} "
         "(permission denied or a read-only file system). "
         f"Received: output_dir='{read_only}/runs'"

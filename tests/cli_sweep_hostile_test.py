@@ -28,14 +28,6 @@ SGD_ONLY = (
 )
 
 
-def _one_line_error(code, err):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("tf-lars sweep: error: "), err
-    return lines[0]
-
-
 # ------------------------------------------ every grid point, before any
 @pytest.mark.parametrize(
     "overrides, expected",
@@ -64,7 +56,7 @@ def _one_line_error(code, err):
     ],
 )  # fmt: skip
 def test_a_grid_point_out_of_range_refuses_the_sweep_before_any_training(
-    overrides, expected, tmp_path, capsys
+    overrides, expected, tmp_path, capsys, one_line_error
 ):
     argv = ["sweep"]
     for override in [
@@ -80,7 +72,7 @@ def test_a_grid_point_out_of_range_refuses_the_sweep_before_any_training(
         argv += ["--set", override]
     code = main(argv)
     captured = capsys.readouterr()
-    line = _one_line_error(code, captured.err)
+    line = one_line_error(code, captured.err, "sweep")
     for fragment in expected:
         assert fragment in line
     # Nothing trained, no run folder: the same config with a fixed grid can
@@ -118,7 +110,9 @@ def _running(pid):
     return state not in ("Z", "X")
 
 
-def test_a_killed_worker_ends_the_sweep_with_the_finished_trainings_kept(tmp_path):
+def test_a_killed_worker_ends_the_sweep_with_the_finished_trainings_kept(
+    tmp_path, one_line_error
+):
     # Without TF_CPP_MIN_LOG_LEVEL (the suite's conftest sets one), so that
     # tf-lars quiets TensorFlow itself and stderr holds its line only.
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
@@ -151,7 +145,7 @@ def test_a_killed_worker_ends_the_sweep_with_the_finished_trainings_kept(tmp_pat
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     folder = tmp_path / "runs" / "k"
-    line = _one_line_error(process.returncode, err)
+    line = one_line_error(process.returncode, err, "sweep")
     results = json.loads((folder / "results.json").read_text())
     done = len(results["runs"])
     assert 2 <= done < 10

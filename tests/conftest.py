@@ -1,4 +1,5 @@
-"""Shared test set-up: quiet TensorFlow logs and a fresh Keras state per test."""
+"""Shared test set-up: quiet TensorFlow logs, a fresh Keras state per test, and
+the command line's harness (`run_cli`, `one_line_error`) as fixtures."""
 
 import os
 
@@ -15,3 +16,36 @@ def _fresh_keras_state():
     keras.utils.set_random_seed(1234)
     np.random.seed(1234)
     yield
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli(*argv)`: `tf-lars ARGV` in this process, as `(code, out, err)`."""
+    from tf_lars.cli.main import main
+
+    def run(*argv):
+        code = main(list(argv))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+def _one_line_error(code, err, command="train"):
+    """The one error line of a refused `tf-lars COMMAND`, checked.
+
+    Exit status 2, no traceback, and stderr exactly one line that starts
+    with `tf-lars COMMAND: error: `; returns that line.
+    """
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    line = err.rstrip("\n")
+    assert line.startswith(f"tf-lars {command}: error: "), err
+    return line
+
+
+@pytest.fixture
+def one_line_error():
+    """`one_line_error(code, err, command="train")`: the checked error line."""
+    return _one_line_error
