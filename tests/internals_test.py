@@ -81,13 +81,30 @@ def test_private_access_only_in_the_fenced_module():
     assert offenders == []
 
 
-def test_base_optimizer_keyword_args_text_is_in_the_lars_docstring():
+def test_the_lars_docstring_documents_every_argument_once():
+    # Written in the source, so `help()`, an IDE and the site (which reads
+    # the source) show the same text; nothing is spliced in at import.
     import tf_lars
+    from tf_lars import lars
 
-    text = _internals.base_optimizer_keyword_args()
-    assert "clipnorm" in text
-    assert "{{" not in tf_lars.LARS.__doc__
-    assert "clipnorm" in tf_lars.LARS.__doc__
+    doc = tf_lars.LARS.__doc__
+    (in_source,) = [
+        node
+        for node in ast.parse(pathlib.Path(lars.__file__).read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "LARS"
+    ]
+    assert ast.get_docstring(in_source) == inspect.cleandoc(doc)
+    assert "{{" not in doc
+    parameters = [
+        name
+        for name in inspect.signature(tf_lars.LARS.__init__).parameters
+        if name not in ("self", "kwargs")
+    ]
+    assert "clipnorm" in parameters and "name" in parameters
+    for name in parameters:
+        entries = re.findall(rf"^ {{8}}{name}: ", doc, flags=re.MULTILINE)
+        assert len(entries) == 1, (name, len(entries))
+    assert len(re.findall(r"^ {8}\*\*kwargs: ", doc, flags=re.MULTILINE)) == 1
 
 
 # --- private members of Keras / TensorFlow objects (inherited `self._x`) ---

@@ -18,13 +18,12 @@ Index (the section comments below carry the same numbers):
 3. `coordinator_of`, `cluster_resolver_of` and the `PerWorkerVariable`
    accessors: the parameter-server strategy's coordinator and the
    worker-local variables of `tf_lars.distribute.ps_agn` (AGN).
-4. `base_optimizer_keyword_args`: Keras's docstring text (LARS's docstring).
-5. `replace_symbolic_build`, `loss_tracker_of`, `set_loss_tracker`: what
+4. `replace_symbolic_build`, `loss_tracker_of`, `set_loss_tracker`: what
    `tf_lars.distribute.enable_multi_worker_fit` changes on a model.
-6. `in_xla_context`: whether the step being traced is compiled by XLA.
-7. `start_fit_at_epoch`: the epoch a running `fit` starts at.
-8. Keras optimizer members and the hooks in `OVERRIDDEN_HOOKS`.
-9. Release differences inside the supported range, each with its release.
+5. `in_xla_context`: whether the step being traced is compiled by XLA.
+6. `start_fit_at_epoch`: the epoch a running `fit` starts at.
+7. Keras optimizer members and the hooks in `OVERRIDDEN_HOOKS`.
+8. Release differences inside the supported range, each with its release.
 """
 
 import functools
@@ -349,29 +348,6 @@ def set_unique_id(variable, unique_id):
 # 4 ---------------------------------------------------------------------------
 
 
-def base_optimizer_keyword_args():
-    """Keras's docstring text for the base optimizer's keyword arguments.
-
-    LARS's docstring includes it, as Keras's own optimizers do. Read when
-    `tf_lars.lars` is imported; if Keras moved it, a short pointer stands in,
-    so that a Keras change cannot break `import tf_lars`.
-    """
-    try:
-        from keras.src.optimizers import optimizer as keras_optimizer
-    except ImportError:
-        keras_optimizer = None
-    text = getattr(keras_optimizer, "base_optimizer_keyword_args", None)
-    if not isinstance(text, str):
-        return (
-            "**kwargs: the `keras.optimizers.Optimizer` base arguments "
-            "(`clipnorm`, `use_ema`, ...)."
-        )
-    return text
-
-
-# 5 ---------------------------------------------------------------------------
-
-
 _LOCAL_BUILD_FEATURE = "enable_multi_worker_fit"
 
 
@@ -407,7 +383,7 @@ def set_loss_tracker(model, make_tracker):
     model._loss_tracker = make_tracker()
 
 
-# 6 ---------------------------------------------------------------------------
+# 5 ---------------------------------------------------------------------------
 
 
 def in_xla_context():
@@ -421,7 +397,7 @@ def in_xla_context():
     return enclosing() is not None
 
 
-# 7 ---------------------------------------------------------------------------
+# 6 ---------------------------------------------------------------------------
 
 
 def start_fit_at_epoch(model, epoch):
@@ -435,7 +411,7 @@ def start_fit_at_epoch(model, epoch):
     model._initial_epoch = epoch
 
 
-# 8 ---------------------------------------------------------------------------
+# 7 ---------------------------------------------------------------------------
 # Keras optimizer internals: private members of `keras.optimizers.Optimizer`
 # (TensorFlow backend) and `Adam` that tf_lars's optimizers read or call. An
 # optimizer that updates several variables at once (LARS's batched trust
@@ -594,7 +570,7 @@ def check_hooks(optimizer):
             )
 
 
-# 9 ---------------------------------------------------------------------------
+# 8 ---------------------------------------------------------------------------
 # Release differences, each with the release that changed it.
 
 

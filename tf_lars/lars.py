@@ -100,7 +100,31 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
             Garden convention; optax's two masks are independent: see
             docs/algorithms.md, "Exclusion lists and masks"); pass `[]` to
             adapt every variable.
-        {{base_optimizer_keyword_args}}
+        clipnorm: float or None. Clips each variable's gradient to this norm
+            before the step (Keras's base argument). Defaults to `None`.
+        clipvalue: float or None. Clips each gradient entry to
+            `[-clipvalue, clipvalue]`. Defaults to `None`.
+        global_clipnorm: float or None. Clips all gradients together to this
+            global norm. Defaults to `None`.
+        use_ema: bool. Keeps an exponential moving average of the weights
+            (Keras's base argument). Defaults to `False`.
+        ema_momentum: float. The moving average's momentum, with
+            `use_ema=True`. Defaults to `0.99`.
+        ema_overwrite_frequency: int or None. With `use_ema=True`, every this
+            many steps the weights are replaced by their average; `None`
+            leaves that to `optimizer.finalize_variable_values()`. Defaults
+            to `None`.
+        loss_scale_factor: float or None. Multiplies the loss and divides the
+            gradients by this fixed factor (for mixed precision, prefer
+            `tf_lars.LossScaleOptimizer`). Defaults to `None`.
+        gradient_accumulation_steps: int or None. Applies one update every
+            this many batches, with the mean of their gradients; a schedule
+            then counts updates, not batches (docs/algorithms.md, "Gradient
+            accumulation"). Defaults to `None`.
+        name: str or None. The optimizer's name, which prefixes its slot
+            variables. Defaults to `None` (Keras picks `"lars"`, `"lars_1"`,
+            ...).
+        **kwargs: other arguments of `keras.optimizers.Optimizer`.
 
     Besides the constructor arguments, `jit_compile` (attribute, default
     `True`) makes an eager `optimizer.apply(...)` run as one XLA-compiled
@@ -356,8 +380,3 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         """Creates a `LARS` from `get_config()` output; unknown keys raise."""
         check_config_keys(cls, config)
         return super().from_config(dict(config), custom_objects=custom_objects)
-
-
-LARS.__doc__ = LARS.__doc__.replace(
-    "{{base_optimizer_keyword_args}}", _internals.base_optimizer_keyword_args()
-)

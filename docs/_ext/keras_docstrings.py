@@ -1,15 +1,13 @@
 """A griffe extension: reads tf_lars's Keras-style docstrings as Google style.
 
 tf_lars writes its docstrings the way Keras does, and Python's doctest runs
-them as they are (tests/docstrings_test.py); this rewrites three Keras habits,
+them as they are (tests/docstrings_test.py); this rewrites two Keras habits,
 for the documentation only, into what griffe's Google parser reads:
 
 - `Example:` followed by an unindented block (`>>>` lines or a fenced block)
   becomes an indented `Examples:` section, so `>>>` lines render as code;
 - an argument entry naming several arguments (`clipnorm, clipvalue, ...:`)
-  becomes one entry per argument, each with the shared description;
-- `{{base_optimizer_keyword_args}}`, which Keras fills in at import time,
-  becomes the base arguments' names.
+  becomes one entry per argument, each with the shared description.
 """
 
 import re
@@ -18,11 +16,6 @@ import griffe
 
 _SECTION = re.compile(r"^[A-Z][A-Za-z ]*:$")
 _MULTI_NAME = re.compile(r"^(\s+)((?:\w+,\s*)+\w+):(.*)$")
-_BASE_ARGS = (
-    "clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, "
-    "ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: "
-    "the `keras.optimizers.Optimizer` base arguments. Default to Keras's defaults."
-)
 
 
 def _indent_examples(lines):
@@ -73,7 +66,6 @@ def _split_multi_names(lines):
 
 
 def rewrite(text):
-    text = text.replace("{{base_optimizer_keyword_args}}", _BASE_ARGS)
     lines = _indent_examples(text.split("\n"))
     return "\n".join(_split_multi_names(_join_continued_names(lines)))
 
