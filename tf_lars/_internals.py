@@ -507,18 +507,30 @@ def overwrites_with_gradient(optimizer, variable):
 def per_variable_update_step(optimizer):
     """`optimizer._backend_update_step`, or the one that steps variable by variable.
 
-    The torch backend swaps in its own subclasses of nine Keras optimizers
-    (`keras.src.backend.torch.optimizers`) whose `_backend_update_step` steps
-    every variable at once with `torch._foreach_*`, never calling
-    `update_step`; their Keras parent's (Nadam's included) takes the same
-    step one variable at a time through `update_step` (TrustRatio needs that).
+    The torch backend swaps in its own subclasses of nine Keras optimizers,
+    all deriving from `TorchParallelOptimizer`
+    (`keras.src.backend.torch.optimizers.torch_parallel_optimizer`), whose
+    `_backend_update_step` steps every variable at once with
+    `torch._foreach_*`, never calling `update_step`; the next definition in
+    the class's MRO (the Keras parent's, Nadam's included) takes the same
+    step one variable at a time through `update_step` (TrustRatio needs
+    that). The class is skipped by identity; on other backends there is none.
     """
+    parallel = _torch_parallel_optimizer()
     for klass in type(optimizer).__mro__:
-        if "_backend_update_step" in vars(klass) and not klass.__module__.startswith(
-            "keras.src.backend.torch."
-        ):
+        if "_backend_update_step" in vars(klass) and klass is not parallel:
             return functools.partial(klass._backend_update_step, optimizer)
     return optimizer._backend_update_step
+
+
+def _torch_parallel_optimizer():
+    """Keras's `TorchParallelOptimizer` on the torch backend, else None."""
+    if keras.backend.backend() != "torch":
+        return None
+    module = _private_module(
+        "keras.src.backend.torch.optimizers.torch_parallel_optimizer", "TrustRatio"
+    )
+    return private_member(module, "TorchParallelOptimizer", "TrustRatio")
 
 
 def portable_optimizer_config(optimizer):
