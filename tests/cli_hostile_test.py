@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.cli_helpers import process_env
 from tf_lars.cli import preflight
 from tf_lars.cli.config import ConfigError, load_config
 
@@ -39,12 +40,6 @@ RUN_NAME_RULE = (
 )
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": python_path, **extra}
-
-
 def _tf_lars(argv, cwd, **options):
     """`python -m tf_lars.cli ARGV` in `cwd`: a `subprocess.run` result."""
     return subprocess.run(
@@ -52,7 +47,7 @@ def _tf_lars(argv, cwd, **options):
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=options.pop("env", _env()),
+        env=options.pop("env", process_env()),
         timeout=TIMEOUT,
         **options,
     )
@@ -83,7 +78,7 @@ def _refused_before_tensorflow(argv, cwd):
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=_env(),
+        env=process_env(),
         timeout=TIMEOUT,
     )
     assert process.stdout.strip() == "CODE 2 TENSORFLOW False", process.stderr
@@ -241,7 +236,7 @@ def test_two_runs_started_together_with_one_name(overwrite, tmp_path):
             stderr=subprocess.PIPE,
             text=True,
             cwd=tmp_path,
-            env=_env(),
+            env=process_env(),
         )
         for _ in range(2)
     ]
@@ -330,7 +325,7 @@ def test_sigterm_is_handled_as_ctrl_c_with_status_143(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env=_env(),
+        env=process_env(),
     )  # fmt: skip
     deadline = time.monotonic() + TIMEOUT
     for line in process.stdout:
@@ -554,7 +549,7 @@ def test_an_optimizer_block_without_config_takes_the_defaults():
 
 
 def test_another_keras_backend(tmp_path):
-    env = _env(KERAS_BACKEND="jax")
+    env = process_env(KERAS_BACKEND="jax")
     for argv in (["--help"], ["train", "--help"]):
         process = _tf_lars(argv, tmp_path, env=env)
         assert process.returncode == 0, process.stderr
@@ -581,7 +576,7 @@ def test_without_tensorflow_installed(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_env(),
+        env=process_env(),
         timeout=TIMEOUT,
     )
     assert process.returncode == 2, process.stderr

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.cli_helpers import process_env
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
 
@@ -29,12 +31,6 @@ CHEAP = {
               "--set", "sweep.batch_sizes=[full]", "--set", "sweep.grid_factors=[1.0]",
               "--set", "sweep.workers=1", "--set", "model.width=2"],
 }  # fmt: skip
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": python_path, **extra}
 
 
 # ------------------------------------------------------------ run folders
@@ -115,7 +111,7 @@ def _start(argv, cwd):
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env=_env(),
+        env=process_env(),
     )
 
 
@@ -375,7 +371,7 @@ def test_config_mistakes_are_reported_before_tensorflow_is_imported(
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_env(),
+        env=process_env(),
         timeout=TIMEOUT,
     )
     assert process.stdout.strip() == "CODE 2 TENSORFLOW False", process.stderr

@@ -18,6 +18,7 @@ import yaml
 
 import tf_lars
 import tf_lars.cli
+from tests.cli_helpers import process_env
 from tf_lars.cli.config import (
     ConfigError,
     apply_overrides,
@@ -824,12 +825,6 @@ def _console_script(directory):
     return script
 
 
-def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": python_path, **extra}
-
-
 HELP_PROBE = textwrap.dedent(
     """
     import sys
@@ -856,7 +851,7 @@ def test_help_does_not_import_tensorflow(args, expected, tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_clean_env(),
+        env=process_env(),
         timeout=120,
     )
     assert process.returncode == 0, process.stderr
@@ -882,7 +877,7 @@ def test_console_script_train_writes_no_tensorflow_log_lines(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_clean_env(),
+        env=process_env(),
         timeout=300,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr
@@ -901,7 +896,7 @@ def test_console_script_sweep_workers_write_no_tensorflow_log_lines(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_clean_env(),
+        env=process_env(),
         timeout=300,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr
@@ -923,7 +918,7 @@ def test_missing_cli_extra_is_a_clean_error(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_clean_env(),
+        env=process_env(),
         timeout=300,
     )
     assert process.returncode == 2
@@ -942,7 +937,7 @@ def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_clean_env(),
+        env=process_env(),
         timeout=300,
     )  # fmt: skip
     assert process.returncode == 2
