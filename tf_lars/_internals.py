@@ -295,18 +295,21 @@ def function_graph_of_branch():
     classes) call-time captures are not forwarded, so the capture goes to
     the enclosing function's graph: `(that graph, the current graph)`.
     """
-    modules = _tf_modules()
-    branches = tuple(
-        private_member(
-            modules["control_flow_v2_func_graphs"], name, _WORKER_LOCAL_FEATURE
-        )
-        for name in ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
-    )
-    graph = modules["ops"].get_default_graph()
+    graph = _tf_modules()["ops"].get_default_graph()
     function_graph = graph
-    while isinstance(function_graph, branches):
+    while isinstance(function_graph, _control_flow_graphs()):
         function_graph = function_graph.outer_graph
     return function_graph, graph
+
+
+@functools.cache
+def _control_flow_graphs():
+    """TensorFlow's `tf.cond` / `tf.while_loop` body graph classes, once."""
+    graphs = _tf_modules()["control_flow_v2_func_graphs"]
+    return tuple(
+        private_member(graphs, name, _WORKER_LOCAL_FEATURE)
+        for name in ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
+    )
 
 
 def coordinator_handle(variable):
