@@ -199,7 +199,10 @@ def test_the_pages_hold_enough_blocks():
     assert len(PYTHON) >= MIN_BLOCKS, [label for label, _ in PYTHON]
     assert len(RUNNABLE) >= MIN_RUNNABLE, [label for label, _ in RUNNABLE]
     assert any(label.startswith("docs/index.md:") for label, _ in RUNNABLE)
-    assert any(backend == "jax" for _, backend in CASES)
+    # A JAX block exists whatever is installed; it is collected where JAX is.
+    assert any("jax" in _backends(label, body) for label, body in RUNNABLE)
+    if importlib.util.find_spec("jax") is not None:
+        assert any(backend == "jax" for _, backend in CASES)
 
 
 def test_python_blocks_use_the_one_fence_name():
