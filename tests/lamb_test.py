@@ -212,6 +212,28 @@ def test_fused_path_shares_one_unsaved_buffer_per_shape(tmp_path):
         np.testing.assert_allclose(a, b, rtol=3e-6, atol=3e-7)
 
 
+def test_per_step_scalars_are_shared_within_a_step_only():
+    # Under XLA, Adam's bias corrections are computed once per step and
+    # shared by every variable (`LambAdam._once_per_step`): the memo is
+    # gone after the step, and each step (a schedule, a growing step count)
+    # gets its own values, equal to the op-by-op ones.
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    rng = np.random.default_rng(3)
+    starts = [rng.normal(size=s).astype("float32") for s in [(3,), (2, 2), (3,)]]
+    grads = [tf.constant(rng.normal(size=w.shape).astype("float32")) for w in starts]
+    results = []
+    for jit in (True, False):
+        optimizer = tf_lars.LAMB(learning_rate=schedule, weight_decay=0.01)
+        optimizer.jit_compile = jit
+        weights = [keras.Variable(w) for w in starts]
+        for _ in range(3):
+            optimizer.apply(grads, weights)
+            assert "_step_scalars" not in optimizer.inner_optimizer.__dict__
+        results.append([w.numpy() for w in weights])
+    for compiled, plain in zip(*results, strict=True):
+        np.testing.assert_allclose(compiled, plain, rtol=1e-6, atol=1e-7)
+
+
 def test_zero_weights_and_zero_gradients_give_ratio_one():
     optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.1)
     zero_w = keras.Variable(np.zeros((3,), "float32"))

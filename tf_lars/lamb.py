@@ -106,17 +106,43 @@ class LambAdam(keras.optimizers.Adam):
         m, v = _internals.adam_slots(self, _internals.variable_index(self, variable))
         return ops.convert_to_tensor(m), ops.convert_to_tensor(v)
 
+    def _once_per_step(self, key, compute):
+        """`compute()`, or its value from earlier in this step.
+
+        Adam's scalars are the same for every variable of one dtype; where
+        a compiler sees the whole step (`TrustRatio._backend_update_step`
+        opens `_step_scalars` then) they are computed once instead of once
+        per variable, which kept LAMB's compiled program, and its compile
+        time, growing faster than Adam's (docs/guides/benchmarks.md,
+        "Compile time"). Elsewhere every call computes them.
+        """
+        memo = self.__dict__.get("_step_scalars")
+        if memo is None:
+            return compute()
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
     def _root_2(self, dtype):
         """`sqrt(1 - b2**t)` in float32 (float64 for float64 variables)."""
         scalar = _rules.compute_dtype(dtype)
-        step = ops.cast(self.iterations + 1, scalar)
-        return ops.sqrt(1 - ops.power(ops.convert_to_tensor(self.beta_2, scalar), step))
+
+        def compute():
+            step = ops.cast(self.iterations + 1, scalar)
+            beta_2 = ops.convert_to_tensor(self.beta_2, scalar)
+            return ops.sqrt(1 - ops.power(beta_2, step))
+
+        return self._once_per_step(("root_2", scalar), compute)
 
     def bias_corrected_epsilon(self, dtype):
         """`eps * sqrt(1 - b2**t)`, the epsilon of `direction`, in `dtype`."""
         scalar = _rules.compute_dtype(dtype)
-        return ops.cast(
-            ops.convert_to_tensor(self.epsilon, scalar) * self._root_2(dtype), dtype
+        return self._once_per_step(
+            ("epsilon", str(dtype)),
+            lambda: ops.cast(
+                ops.convert_to_tensor(self.epsilon, scalar) * self._root_2(dtype),
+                dtype,
+            ),
         )
 
     def direction_scale(self, dtype, learning_rate):
@@ -126,10 +152,15 @@ class LambAdam(keras.optimizers.Adam):
         to 1 and the scale to 0 (with a zero epsilon term: 0 * inf = NaN).
         """
         scalar = _rules.compute_dtype(dtype)
-        step = ops.cast(self.iterations + 1, scalar)
-        correction_1 = 1 - ops.power(ops.convert_to_tensor(self.beta_1, scalar), step)
-        scale = ops.cast(learning_rate, scalar) / correction_1 * self._root_2(dtype)
-        return ops.cast(scale, dtype)
+
+        def compute():
+            step = ops.cast(self.iterations + 1, scalar)
+            beta_1 = ops.convert_to_tensor(self.beta_1, scalar)
+            correction_1 = 1 - ops.power(beta_1, step)
+            scale = ops.cast(learning_rate, scalar) / correction_1 * self._root_2(dtype)
+            return ops.cast(scale, dtype)
+
+        return self._once_per_step(("scale", str(dtype), id(learning_rate)), compute)
 
 
 def lamb_direction(lamb, gradient, variable, learning_rate, decay):

@@ -330,6 +330,8 @@ class TrustRatio(
         inner.__dict__["update_step"] = self.update_step
         if _kernels.batches_trust_ratios(grads):
             self.__dict__["_deferred_steps"] = []
+            # Per-step scalars computed once (`LambAdam._once_per_step`).
+            inner.__dict__["_step_scalars"] = {}
         try:
             _internals.per_variable_update_step(inner)(
                 grads, trainable_variables, learning_rate
@@ -339,6 +341,7 @@ class TrustRatio(
                 self._take_steps(deferred)
         finally:
             inner.__dict__.pop("update_step", None)
+            inner.__dict__.pop("_step_scalars", None)
             self.__dict__.pop("_deferred_steps", None)
         # The inner optimizer's own step count (Adam's bias correction).
         self.assign_add(inner.iterations, ops.ones((), inner.iterations.dtype))
@@ -396,10 +399,14 @@ class TrustRatio(
             )
             ratios = self._step_trust_ratios(variables, for_norms, scales, rates[0])
             _rules.record_trust_ratios(self, list(indices), ratios)
-            for k, (variable, scale, direction) in enumerate(
-                zip(variables, scales, directions, strict=True)
+            for variable, scale, direction, ratio in zip(
+                variables,
+                scales,
+                directions,
+                _kernels.entries(ratios, len(variables)),
+                strict=True,
             ):
-                scale = ops.cast(ratios[k], variable.dtype) * scale
+                scale = ops.cast(ratio, variable.dtype) * scale
                 _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
