@@ -537,23 +537,6 @@ if BACKEND == "tensorflow":
         np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
         np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
 
-    @pytest.mark.parametrize("tracer", sorted(TRACERS))
-    def test_tf_entries_equal_the_portable_entries(tracer):
-        # Under XLA the fast path reads each entry at a position that is a
-        # runtime input of the program (the compiled kernels of variables
-        # of one shape are then identical); the values are the same.
-        vector = tf.constant([0.5, -2.0, 3.25, 1e-30, 7.0], "float32")
-
-        def both(values):
-            return (
-                tf.stack(_tf_fast.entries(values, 4)),
-                tf.stack(_rules.entries(values, 4)),
-            )
-
-        fast, portable = TRACERS[tracer](both)(vector)
-        np.testing.assert_array_equal(fast.numpy(), vector.numpy()[:4])
-        np.testing.assert_array_equal(fast.numpy(), portable.numpy())
-
     def _slot_pair():
         """Two (variable, slot) pairs holding the same values, and an optimizer."""
         rng = np.random.default_rng(6)

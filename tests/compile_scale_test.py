@@ -59,15 +59,6 @@ def test_one_range_check_one_record_and_fixed_reductions_per_step(name):
     assert small["reduce"] == large["reduce"] > 0
 
 
-@pytest.mark.parametrize("name", ["lars", "lamb"])
-def test_no_update_reads_its_trust_ratio_at_a_fixed_offset(name):
-    # `vector[k]` put the offset k into variable k's update, so that no two
-    # updates compiled to the same kernel (one XLA compile each); the
-    # entries are read at runtime positions instead (`_tf_fast.entries`).
-    small, large = program(name, SMALL), program(name, LARGE)
-    assert small["slice"] == large["slice"], (small["slice"], large["slice"])
-
-
 def test_lamb_takes_adams_scalars_once_per_step():
     # Adam's bias corrections (two powers, square roots) were computed three
     # times per variable; now once per step, so LAMB's program grows per

@@ -115,16 +115,6 @@ def apart(tensors):
     return tensors
 
 
-def entries(vector, count):
-    """The `count` entries of `vector` (one per variable), as scalars.
-
-    `tf_lars._tf_fast.entries` reads them under XLA so that every variable
-    of one shape compiles to the same kernel (a compile-time matter only:
-    the values are the same).
-    """
-    return [vector[k] for k in range(count)]
-
-
 def value_of(tensor):
     """`tensor`, or what it returns if it is a function (see `norms`)."""
     return tensor() if callable(tensor) else tensor

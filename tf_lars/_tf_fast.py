@@ -32,10 +32,6 @@ figure is kept here, where it would go stale.
    LARS's row-wise momentum (`sparse_momentum_step`) and LAMB's sparse Adam
    moments (`sparse_adam_moments`), and the cross-replica step of LARS under
    `tf.distribute` (`lars_update_step`).
-5. **Ratio entries at runtime positions** (`entries`): a compile-time
-   matter only. Under XLA each variable reads its trust ratio at a position
-   that is an input of the compiled program, so the updates of variables of
-   one shape are identical kernels, compiled once.
 """
 
 import keras
@@ -126,33 +122,6 @@ def _rescaled_norms(rows):
     peaks = tf.where(peaks > 0, peaks, tf.ones_like(peaks))
     root = tf.sqrt(peaks)[:, None]  # twice, as in `tf_lars._rules._rescaled_norms`
     return peaks * tf.sqrt(tf.reduce_sum(tf.square(rows / root / root), axis=1))
-
-
-# Eager int64 scalars 0, 1, 2, ... (`entries`), made once per process.
-_POSITIONS = []
-
-
-def entries(vector, count):
-    """`tf_lars._rules.entries`: `vector[k]` for `k < count`, as scalars.
-
-    Under XLA each variable's update is one kernel, and XLA's CPU compiler
-    compiles a kernel once for all identical ones (Keras's SGD: one per
-    variable shape). `vector[k]` would put the offset `k` into the kernel
-    of variable `k`, making every kernel distinct: one compile each, which
-    dominated LARS's and LAMB's compile time. Here the offset is read from
-    a captured eager scalar instead, a runtime input of the compiled
-    program, so the kernels of variables of one shape are identical again
-    (`python benchmarks/compile_bench.py` measures it). Elsewhere, and where
-    the outermost context is not eager, plain indexing.
-    """
-    if not _internals.in_xla_context():
-        return [vector[k] for k in range(count)]
-    with tf.init_scope():
-        if not tf.executing_eagerly():
-            return [vector[k] for k in range(count)]
-        while len(_POSITIONS) < count:
-            _POSITIONS.append(tf.constant(len(_POSITIONS), tf.int64))
-    return [tf.gather(vector, position) for position in _POSITIONS[:count]]
 
 
 def norms(tensors):

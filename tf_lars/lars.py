@@ -294,10 +294,8 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
                 self.epsilon,
                 defined=ops.logical_and(w_norm > 0, g_norm > 0),
             )
-            for position, ratio in zip(
-                positions, _kernels.entries(vector, len(positions)), strict=True
-            ):
-                ratios[position] = ratio
+            for k, position in enumerate(positions):
+                ratios[position] = vector[k]
         return ratios
 
     def update_step(self, gradient, variable, learning_rate):

@@ -399,14 +399,10 @@ class TrustRatio(
             )
             ratios = self._step_trust_ratios(variables, for_norms, scales, rates[0])
             _rules.record_trust_ratios(self, list(indices), ratios)
-            for variable, scale, direction, ratio in zip(
-                variables,
-                scales,
-                directions,
-                _kernels.entries(ratios, len(variables)),
-                strict=True,
+            for k, (variable, scale, direction) in enumerate(
+                zip(variables, scales, directions, strict=True)
             ):
-                scale = ops.cast(ratio, variable.dtype) * scale
+                scale = ops.cast(ratios[k], variable.dtype) * scale
                 _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
