@@ -111,3 +111,14 @@ def test_benchmark_scripts_a_test_loads_are_its_data():
         missing = loaded - set(kw.get("data", []))
         assert missing == set(), (main, sorted(missing))
     assert checked >= 4, checked
+
+
+def test_every_test_file_is_in_exactly_one_part():
+    # tests/conftest.py's PARTS marks each test (`pytest -m optimizers`);
+    # a file in no part stops collection, a stale or repeated name is here.
+    from tests import conftest
+
+    files = sorted(path.name for path in (ROOT / "tests").glob("*_test.py"))
+    named = [f"{name}_test.py" for names in conftest.PARTS.values() for name in names]
+    assert sorted(named) == files
+    assert set(conftest.PARTS) == {"optimizers", "distribute", "cli", "project"}

@@ -1,5 +1,7 @@
-"""Shared test set-up: quiet TensorFlow logs, a fresh Keras state per test, and
-the command line's harness (`run_cli`, `one_line_error`) as fixtures."""
+"""Shared test set-up: quiet TensorFlow logs, a fresh Keras state per test,
+the command line's harness (`run_cli`, `one_line_error`) as fixtures, and a
+marker per part of the project (`PARTS`: `pytest -m optimizers` runs the
+optimizer tests alone)."""
 
 import inspect
 import os
@@ -58,3 +60,81 @@ def _one_line_error(code, err, command="train"):
 def one_line_error():
     """`one_line_error(code, err, command="train")`: the checked error line."""
     return _one_line_error
+
+
+#: Every test file, by the part of the project it tests: the optimizers
+#: (`tf_lars/*.py`, on any backend), the distribution tooling
+#: (`tf_lars/distribute/`, AGN on parameter servers), the command line
+#: (`tf_lars/cli/`), and the project itself (docs, build, benchmarks,
+#: packaging). Each test gets its file's part as a marker.
+PARTS = {
+    "optimizers": [
+        "accumulation",
+        "backends_imports",
+        "backends_loss_scale",
+        "backends_rules",
+        "backends",
+        "callbacks_loss_scale",
+        "callbacks",
+        "compile_scale",
+        "contract",
+        "diloco",
+        "internals",
+        "lamb",
+        "lars",
+        "loss_scale",
+        "optimizer_hostile",
+        "saved_across_versions",
+        "saved_v0_1_0",
+        "schedules",
+        "step_labels",
+        "trust_ratio",
+    ],
+    "distribute": [
+        "agn",
+        "distribute_fault",
+        "distribute_hostile",
+        "distribute_launch_sync",
+        "distribute_launch",
+        "distribute_multi_worker",
+        "distribute_preempt",
+        "distribute_ps",
+        "distribute_tf_config",
+        "examples_tfjob",
+    ],
+    "cli": [
+        "cli_distribute",
+        "cli_docs",
+        "cli_hostile",
+        "cli_plots",
+        "cli_safety",
+        "cli_sweep_hostile",
+        "cli",
+    ],
+    "project": [
+        "bench",
+        "build",
+        "docs_examples",
+        "docs_stale",
+        "docs",
+        "docstrings",
+        "examples",
+        "init",
+        "no_tensorflow",
+    ],
+}
+_PART_OF = {
+    f"{name}_test.py": part for part, names in PARTS.items() for name in names
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks each test with its file's part; a file in no part is an error."""
+    for item in items:
+        part = _PART_OF.get(item.path.name)
+        if part is None:
+            raise pytest.UsageError(
+                f"{item.path.name} is in no part of tests/conftest.py's PARTS: "
+                "add it to the part it tests"
+            )
+        item.add_marker(getattr(pytest.mark, part))
