@@ -123,9 +123,7 @@ PARTS = {
         "no_tensorflow",
     ],
 }
-_PART_OF = {
-    f"{name}_test.py": part for part, names in PARTS.items() for name in names
-}
+_PART_OF = {f"{name}_test.py": part for part, names in PARTS.items() for name in names}
 
 
 def pytest_collection_modifyitems(config, items):
