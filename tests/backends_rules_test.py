@@ -261,13 +261,13 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
         return
     import jax
 
-    def traced_step(optimizer):
-        variable = keras.Variable(np.ones((4, 3), "float32"))
+    def traced_step(optimizer, shape=(4, 3)):
+        variable = keras.Variable(np.ones(shape, "float32"))
         optimizer.build([variable])
         return str(
             jax.make_jaxpr(optimizer.stateless_apply)(
                 [v.value for v in optimizer.variables],
-                [ops.ones((4, 3))],
+                [ops.ones(shape)],
                 [variable.value],
             )
         )
@@ -279,8 +279,11 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
 
     assert "optimization_barrier" in lars_step(0.01)
     assert "optimization_barrier" not in lars_step(0.0)
-    # LAMB's recomputed direction reads its scalars through the barrier.
-    assert "optimization_barrier" in traced_step(tf_lars.LAMB(0.1))
+    # LAMB's recomputed direction reads its scalars through the barrier; a
+    # small direction is stacked for its norm and read as stored
+    # (`lamb_direction`), so it has nothing to keep apart.
+    assert "optimization_barrier" in traced_step(tf_lars.LAMB(0.1), (64, 128))
+    assert "optimization_barrier" not in traced_step(tf_lars.LAMB(0.1), (4, 3))
 
 
 if BACKEND == "jax":
@@ -536,6 +539,25 @@ if BACKEND == "tensorflow":
         want = [np.linalg.norm(t.numpy().astype(np.float64)) for t in tensors]
         np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
         np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
+
+    @pytest.mark.parametrize("tracer", sorted(TRACERS))
+    def test_tf_entries_equal_the_portable_entries(tracer):
+        # Under XLA the fast path reads the entry of a small tensor at a
+        # position that is a runtime input of the program (the compiled
+        # updates of small variables of one shape are then one kernel), and
+        # of a large one at its fixed offset; the values are the same.
+        vector = tf.constant([0.5, -2.0, 3.25, 1e-30, 7.0], "float32")
+        tensors = [tf.zeros(s) for s in [(4,), (64, 128), (3, 3), (4,)]]
+
+        def both(values):
+            return (
+                tf.stack(_tf_fast.entries(values, tensors)),
+                tf.stack(_rules.entries(values, tensors)),
+            )
+
+        fast, portable = TRACERS[tracer](both)(vector)
+        np.testing.assert_array_equal(fast.numpy(), vector.numpy()[:4])
+        np.testing.assert_array_equal(fast.numpy(), portable.numpy())
 
     def _slot_pair():
         """Two (variable, slot) pairs holding the same values, and an optimizer."""

@@ -42,6 +42,13 @@ def is_sparse(gradient):
 #: Tensors of fewer elements have their norms summed stacked with the
 #: others of their shape (`norm_groups`).
 STACKED_BELOW = 4096
+# At most this many tensors in one stack (`norm_groups`): XLA's CPU compiler
+# emits a concatenation as one function with a branch per operand, and its
+# time grew faster than the operands (1,000 tensors of a shape in one stack
+# took longer to compile than all of Keras's SGD step over 2,000 variables);
+# stacks of 128 compiled fastest of 16 to 512 (docs/guides/benchmarks.md,
+# "Compile time").
+STACKED_ROWS = 128
 
 
 def _rescaled_norm(tensor):
@@ -124,26 +131,35 @@ def norm_groups(tensors):
     """Positions of `tensors` in the groups whose norms are computed together.
 
     Every tensor of fewer than `STACKED_BELOW` elements joins the others of
-    its shape; each larger tensor is a group of its own (stacking it would
-    copy it). A compiler then builds one reduction per group instead of one
-    per tensor: a model's hundreds of small variables (biases, scales)
-    share a few shapes, and XLA's compile time and memory grew several
-    times faster with the number of reductions than with the variables
-    themselves (docs/guides/benchmarks.md, "Compile time").
+    its shape, up to `STACKED_ROWS` in a group; each larger tensor is a
+    group of its own (stacking it would copy it). A compiler then builds one
+    reduction per group instead of one per tensor: a model's hundreds of
+    small variables (biases, scales) share a few shapes, and XLA's compile
+    time and memory grew several times faster with the number of reductions
+    than with the variables themselves (docs/guides/benchmarks.md, "Compile time").
     """
     groups = {}
     for position, tensor in enumerate(tensors):
         shape = tuple(tensor.shape)
-        small = None not in shape and int(np.prod(shape)) < STACKED_BELOW
-        groups.setdefault(shape if small else position, []).append(position)
-    return list(groups.values())
+        groups.setdefault(shape if stacks(tensor) else position, []).append(position)
+    return [
+        group[start : start + STACKED_ROWS]
+        for group in groups.values()
+        for start in range(0, len(group), STACKED_ROWS)
+    ]
+
+
+def stacks(tensor):
+    """Whether `tensor`'s norm is taken stacked with others of its shape
+    (`norm_groups`): a static shape of fewer than `STACKED_BELOW` elements."""
+    shape = tuple(tensor.shape)
+    return None not in shape and int(np.prod(shape)) < STACKED_BELOW
 
 
 def stacked(tensors, group):
     """The tensors at the positions of `group` (one shape) as `[k, size]` rows."""
-    return ops.concatenate(
-        [ops.reshape(tensors[position], [1, -1]) for position in group]
-    )
+    rows = ops.stack([tensors[position] for position in group])
+    return ops.reshape(rows, [len(group), -1])
 
 
 def stacked_groups(tensors):
@@ -237,6 +253,26 @@ def trust_ratio(weight_norm, update_norm, trust_coefficient, epsilon, defined=No
     # as selects into each consumer, here every variable's update, but
     # never a division; so each update reads its ratio from one vector.
     return numerator / denominator
+
+
+def entries(vector, tensors):
+    """The entries of `vector`, one per tensor of `tensors` (the variables
+    they belong to), as scalars.
+
+    `tf_lars._tf_fast.entries` reads them under XLA so that the updates of
+    small variables of one shape compile to one kernel (a compile-time
+    matter only: the values are the same).
+    """
+    return [vector[k] for k in range(len(tensors))]
+
+
+def placed(vector, positions, values):
+    """`vector` with `values` written at `positions` (a list of ints); the
+    values themselves when they fill the whole vector in order."""
+    if list(positions) == list(range(vector.shape[0])):
+        return values
+    indices = ops.convert_to_tensor([[p] for p in positions], "int32")
+    return ops.scatter_update(vector, indices, values)
 
 
 def record_trust_ratios(optimizer, indices, ratios):

@@ -32,6 +32,10 @@ figure is kept here, where it would go stale.
    LARS's row-wise momentum (`sparse_momentum_step`) and LAMB's sparse Adam
    moments (`sparse_adam_moments`), and the cross-replica step of LARS under
    `tf.distribute` (`lars_update_step`).
+5. **Ratio entries at runtime positions** (`entries`): a compile-time
+   matter only. Under XLA each variable reads its trust ratio at a position
+   that is an input of the compiled program, so the updates of variables of
+   one shape are identical kernels, compiled once.
 """
 
 import keras
@@ -122,6 +126,40 @@ def _rescaled_norms(rows):
     peaks = tf.where(peaks > 0, peaks, tf.ones_like(peaks))
     root = tf.sqrt(peaks)[:, None]  # twice, as in `tf_lars._rules._rescaled_norms`
     return peaks * tf.sqrt(tf.reduce_sum(tf.square(rows / root / root), axis=1))
+
+
+# Eager int32 scalars 0, 1, 2, ... (`entries`), made once per process.
+_POSITIONS = []
+
+
+def entries(vector, tensors):
+    """`tf_lars._rules.entries`: `vector[k]` for the `k`-th of `tensors`.
+
+    Under XLA each variable's update is one kernel, and XLA's CPU compiler
+    compiles identical kernels once (Keras's SGD: one per variable shape).
+    `vector[k]` puts the offset `k` into the kernel of variable `k`, making
+    every kernel distinct: one compile each, which dominated LARS's and
+    LAMB's compile time over many small variables. For a small variable
+    (`_rules.stacks`: the biases and scales a model has hundreds of) the
+    offset is read instead from a captured eager scalar, a runtime input of
+    the compiled program, so the kernels of small variables of one shape
+    are identical again (`python benchmarks/compile_bench.py`). A large
+    variable keeps the fixed offset: a runtime one is read again for every
+    element of its update (measured: LARS's XLA step over ResNet-50's
+    shapes about 4% slower), and large shapes repeat less. Elsewhere, and
+    where the outermost context is not eager, plain indexing.
+    """
+    if not _internals.in_xla_context():
+        return _rules.entries(vector, tensors)
+    with tf.init_scope():
+        if not tf.executing_eagerly():
+            return _rules.entries(vector, tensors)
+        while len(_POSITIONS) < len(tensors):
+            _POSITIONS.append(tf.constant(len(_POSITIONS), tf.int32))
+    return [
+        tf.gather(vector, _POSITIONS[k]) if _rules.stacks(tensor) else vector[k]
+        for k, tensor in enumerate(tensors)
+    ]
 
 
 def norms(tensors):
@@ -287,8 +325,8 @@ def lars_update_step(optimizer, grads, trainable_variables, learning_rate):
         optimizer, list(zip(grads, tf_variables))
     )
     grads = [g for g, _ in grads_and_vars]
-    ratios = optimizer._trust_ratios(grads, tf_variables)
-    optimizer._record_trust_ratios(tf_variables, ratios)
+    ratios, recorded = optimizer._trust_ratios(grads, tf_variables)
+    optimizer._record_trust_ratios(tf_variables, recorded)
 
     def update(distribution, grads_and_vars, ratios, learning_rate):
         for (gradient, variable), ratio in zip(grads_and_vars, ratios, strict=True):

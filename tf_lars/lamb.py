@@ -180,7 +180,9 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     adam = lamb.inner_optimizer
     scale, direction = adam.direction(gradient, variable, learning_rate)
     direction = lamb._with_decay(direction, scale, variable, learning_rate, decay)
-    if not lamb._recomputes_for_norm(direction):
+    if not lamb._recomputes_for_norm(direction) or _rules.stacks(direction):
+        # A small direction is copied into its shape's rows for the norm
+        # (`_rules.norm_groups`) anyway: computing it again saves nothing.
         return scale, direction, direction
     m, v = adam.moments(variable)
     scalars = [adam.bias_corrected_epsilon(variable.dtype)]

@@ -255,21 +255,27 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
     _norms = staticmethod(_kernels.norms)
 
     def _trust_ratios(self, grads, variables):
-        """Step 2 (trust ratio) for every dense gradient at once (`None`: sparse).
+        """Step 2 (trust ratio) for every dense gradient at once.
 
         The norms of all adapted variables of one compute dtype come from
         one `norms` call, and their ratios from one `trust_ratio` call.
+        Returns each variable's ratio (`None`: sparse) and all of them as one
+        float32 vector (1 where sparse or excluded), what `trust_ratios`
+        records: built from the vectors, so a compiler sees no per-variable
+        scalar gathered back into a vector.
         """
         indices = [_internals.variable_index(self, v) for v in variables]
         ratios = [None] * len(variables)
+        recorded = ops.ones([len(variables)], "float32")
         adapted = {}
         for position, (grad, variable) in enumerate(zip(grads, variables, strict=True)):
             if _kernels.is_sparse(grad):
                 continue
             dtype = _rules.compute_dtype(variable.dtype)
-            ratios[position] = ops.ones((), dtype)
             if self._variable_adapted[indices[position]]:
                 adapted.setdefault(dtype, []).append(position)
+            else:
+                ratios[position] = ops.ones((), dtype)
         for dtype, positions in adapted.items():
             decays = [self._variable_weight_decay[indices[p]] for p in positions]
             weights = [ops.cast(variables[p], dtype) for p in positions]
@@ -294,13 +300,16 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
                 self.epsilon,
                 defined=ops.logical_and(w_norm > 0, g_norm > 0),
             )
-            for k, position in enumerate(positions):
-                ratios[position] = vector[k]
-        return ratios
+            for position, ratio in zip(
+                positions, _kernels.entries(vector, weights), strict=True
+            ):
+                ratios[position] = ratio
+            recorded = _rules.placed(recorded, positions, ops.cast(vector, "float32"))
+        return ratios, recorded
 
     def update_step(self, gradient, variable, learning_rate):
         """Updates one variable (`apply` batches step 2 (trust ratio) over all)."""
-        ratio = self._trust_ratios([gradient], [variable])[0]
+        ratio = self._trust_ratios([gradient], [variable])[0][0]
         self._update(gradient, variable, learning_rate, ratio)
 
     def _update(self, gradient, variable, learning_rate, ratio):
@@ -342,18 +351,16 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
             # TensorFlow: the same steps, across replicas under tf.distribute.
             _kernels.lars_update_step(self, grads, trainable_variables, learning_rate)
             return
-        ratios = self._trust_ratios(grads, trainable_variables)
-        self._record_trust_ratios(trainable_variables, ratios)
+        ratios, recorded = self._trust_ratios(grads, trainable_variables)
+        self._record_trust_ratios(trainable_variables, recorded)
         for gradient, variable, ratio in zip(
             grads, trainable_variables, ratios, strict=True
         ):
             self._update(gradient, variable, learning_rate, ratio)
 
-    def _record_trust_ratios(self, variables, ratios):
+    def _record_trust_ratios(self, variables, recorded):
         _rules.record_trust_ratios(
-            self,
-            [_internals.variable_index(self, v) for v in variables],
-            [ops.ones(()) if r is None else r for r in ratios],
+            self, [_internals.variable_index(self, v) for v in variables], recorded
         )
 
     # --------------------------------------------------------- serialization

@@ -330,6 +330,7 @@ class TrustRatio(
         inner.__dict__["update_step"] = self.update_step
         if _kernels.batches_trust_ratios(grads):
             self.__dict__["_deferred_steps"] = []
+            self.__dict__["_step_units"] = {}
             # Per-step scalars computed once (`LambAdam._once_per_step`).
             inner.__dict__["_step_scalars"] = {}
         try:
@@ -343,6 +344,7 @@ class TrustRatio(
             inner.__dict__.pop("update_step", None)
             inner.__dict__.pop("_step_scalars", None)
             self.__dict__.pop("_deferred_steps", None)
+            self.__dict__.pop("_step_units", None)
         # The inner optimizer's own step count (Adam's bias correction).
         self.assign_add(inner.iterations, ops.ones((), inner.iterations.dtype))
 
@@ -399,10 +401,14 @@ class TrustRatio(
             )
             ratios = self._step_trust_ratios(variables, for_norms, scales, rates[0])
             _rules.record_trust_ratios(self, list(indices), ratios)
-            for k, (variable, scale, direction) in enumerate(
-                zip(variables, scales, directions, strict=True)
+            for variable, scale, direction, ratio in zip(
+                variables,
+                scales,
+                directions,
+                _kernels.entries(ratios, variables),
+                strict=True,
             ):
-                scale = ops.cast(ratios[k], variable.dtype) * scale
+                scale = ops.cast(ratio, variable.dtype) * scale
                 _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
@@ -417,8 +423,19 @@ class TrustRatio(
         step = _step_of(writes, variable)
         if step is None:
             step = ops.zeros(variable.shape, variable.dtype)
-        scale = ops.ones((), variable.dtype)
+        scale = self._unit_scale(variable.dtype)
         return scale, self._with_decay(step, scale, variable, learning_rate, decay)
+
+    def _unit_scale(self, dtype):
+        """A scale of 1 in `dtype`: one per dtype while steps are deferred
+        (`_backend_update_step`), so `_step_trust_ratios` sees one scale."""
+        units = self.__dict__.get("_step_units")
+        if units is None:
+            return ops.ones((), dtype)
+        key = keras.backend.standardize_dtype(dtype)
+        if key not in units:
+            units[key] = ops.ones((), dtype)
+        return units[key]
 
     @staticmethod
     def _decay_factor(scale, learning_rate, decay):
@@ -452,7 +469,12 @@ class TrustRatio(
             + [_cast(direction, compute) for direction in directions]
         )
         w_norm, direction_norm = both[:count], both[count:]
-        scale = ops.stack([ops.cast(scale, compute) for scale in scales])
+        if all(scale is scales[0] for scale in scales):
+            # One scale for all (LAMB's per-step Adam scale, the unit scale
+            # of a captured step): a scalar, not a stack of copies.
+            scale = ops.cast(scales[0], compute)
+        else:
+            scale = ops.stack([ops.cast(scale, compute) for scale in scales])
         step_norm = ops.abs(scale) * direction_norm
         rate = ops.cast(learning_rate, compute)
         defined = ops.logical_and(w_norm > 0, ops.logical_and(step_norm > 0, rate > 0))
