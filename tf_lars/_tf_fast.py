@@ -144,9 +144,10 @@ def entries(vector, tensors):
     offset is read instead from a captured eager scalar, a runtime input of
     the compiled program, so the kernels of small variables of one shape
     are identical again (`python benchmarks/compile_bench.py`). A large
-    variable keeps the fixed offset: a runtime one is read again for every
-    element of its update (measured: LARS's XLA step over ResNet-50's
-    shapes about 4% slower), and large shapes repeat less. Elsewhere, and
+    variable keeps the fixed offset: with every ratio read at a runtime
+    position LARS's XLA step over ResNet-50's shapes was slower
+    (docs/guides/benchmarks.md, "Compile time"), and large shapes repeat
+    less. Elsewhere, and
     where the outermost context is not eager, plain indexing.
     """
     if not _internals.in_xla_context():
