@@ -165,9 +165,34 @@ def make_optimizer(name):
     if name.endswith(REFERENCE_NORMS):
         from tf_lars import _rules
 
-        optimizer._norms = _rules.norms
+        with_kernel(optimizer, "norms", _rules.norms)
     if name.endswith(STORED_DIRECTION):
-        optimizer._recomputes_for_norm = lambda direction: False
+        with_kernel(optimizer, "recomputes_for_norms", lambda direction: False)
+    return optimizer
+
+
+def with_kernel(optimizer, name, replacement):
+    """`optimizer`, its steps traced with `tf_lars._kernels.<name>` replaced.
+
+    A benchmark row's variant (the portable norms, the stored direction):
+    the library has no switch for it, so the benchmark swaps the kernel
+    itself, only while this optimizer's `apply` or `stateless_apply` runs
+    (where a compiled step is traced).
+    """
+    from tf_lars import _kernels
+
+    for method in ("apply", "stateless_apply"):
+        original = getattr(optimizer, method)
+
+        def swapped(*args, _original=original, **kwargs):
+            saved = getattr(_kernels, name)
+            setattr(_kernels, name, replacement)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                setattr(_kernels, name, saved)
+
+        object.__setattr__(optimizer, method, swapped)
     return optimizer
 
 

@@ -122,3 +122,54 @@ def test_every_test_file_is_in_exactly_one_part():
     named = [f"{name}_test.py" for names in conftest.PARTS.values() for name in names]
     assert sorted(named) == files
     assert set(conftest.PARTS) == {"optimizers", "distribute", "cli", "project"}
+
+
+def _imported_modules(path):
+    """The `tf_lars` modules a file imports (`from tf_lars import x`, `import
+    tf_lars.x`, `from tf_lars.x import y`), anywhere in the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "tf_lars":
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "tf_lars."
+        ):
+            names.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            names.update(
+                alias.name.split(".")[1]
+                for alias in node.names
+                if alias.name.startswith("tf_lars.")
+            )
+    return names
+
+
+RULE_FILES = ("lars.py", "lamb.py", "trust_ratio.py")
+
+
+def test_the_rules_never_ask_which_kernels_they_have():
+    # The TensorFlow fast path overrides kernels by name (tf_lars/_kernels.py):
+    # no rule file compares modules, and the portable kernels never import
+    # the TensorFlow ones (no circle between the two).
+    package = ROOT / "tf_lars"
+    for name in RULE_FILES:
+        assert "_kernels is" not in (package / name).read_text(), name
+        assert "_tf_fast" not in _imported_modules(package / name), name
+    assert "_tf_fast" not in _imported_modules(package / "_rules.py")
+    assert _imported_modules(package / "_kernels.py") == {"_rules", "_tf_fast"}
+
+
+def test_the_rules_hold_no_switch_for_a_benchmark():
+    # A benchmark row's variant swaps a kernel itself (benchmarks/bench.py,
+    # `with_kernel`); the optimizers have no attribute that exists for it.
+    package = ROOT / "tf_lars"
+    for name in RULE_FILES:
+        tree = ast.parse((package / name).read_text())
+        assigned = {
+            target.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        assert not assigned & {"_norms", "_recomputes_for_norm"}, name

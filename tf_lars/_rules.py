@@ -2,26 +2,15 @@
 
 docs/algorithms.md states the rules; `tf_lars/lars.py`, `trust_ratio.py` and
 `lamb.py` follow them step by step and call these functions. On the
-TensorFlow backend `tf_lars/_tf_fast.py` stands in for `norms`,
-`momentum_step` and `scaled_step` with kernels of the same signature and
-the same results (tests/backends_rules_test.py holds them equal); `kernels()`
-returns the module to use.
+TensorFlow backend `tf_lars/_tf_fast.py` overrides some of them (`norms`,
+`momentum_step`, `scaled_step`, ...) with kernels of the same signature and
+the same results (tests/backends_rules_test.py holds them equal);
+`tf_lars/_kernels.py` picks each name from one module or the other.
 """
 
 import keras
 import numpy as np
 from keras import ops
-
-
-def kernels():
-    """`tf_lars._tf_fast` on the TensorFlow backend, else this module."""
-    if keras.backend.backend() == "tensorflow":
-        from tf_lars import _tf_fast
-
-        return _tf_fast
-    import sys
-
-    return sys.modules[__name__]
 
 
 def compute_dtype(dtype):
@@ -323,6 +312,33 @@ def scaled_step(optimizer, variable, scale, step):
     optimizer.assign_sub(variable, scale * step)
 
 
+def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
+    """A step that takes every variable's trust ratio first: `rule.ratios(
+    grads, variables)` gives each variable's ratio and the vector to record,
+    `rule.record(variables, vector)` records it, then `rule.update(gradient,
+    variable, learning_rate, ratio)` updates each variable (LARS).
+    `tf_lars._tf_fast.update_with_ratios` does the same across replicas
+    under `tf.distribute`."""
+    del optimizer  # the rule's methods are bound to it
+    ratios, recorded = rule.ratios(grads, variables)
+    rule.record(variables, recorded)
+    for gradient, variable, ratio in zip(grads, variables, ratios, strict=True):
+        rule.update(gradient, variable, learning_rate, ratio)
+
+
+def lamb_fusable(variable):
+    """Whether LAMB's direction is one fused kernel pass: TensorFlow only
+    (`tf_lars._tf_fast.lamb_fusable`)."""
+    del variable
+    return False
+
+
+def direction_buffers():
+    """LAMB's scratch space for the fused kernel: TensorFlow only
+    (`tf_lars._tf_fast.DirectionBuffers`)."""
+    return None
+
+
 class PlainApply:
     """`apply` as Keras has it; `tf_lars._tf_fast.CompiledApply` on TensorFlow."""
 
@@ -330,3 +346,6 @@ class PlainApply:
         # Kept on every backend so configs and code that set it still run;
         # only the TensorFlow backend's eager `apply` reads it.
         self.jit_compile = True
+
+
+Apply = PlainApply

@@ -1,7 +1,7 @@
 """The TensorFlow backend's fast path for LARS, TrustRatio and LAMB.
 
-Imported only on the TensorFlow backend (`tf_lars._rules.kernels()`). Each
-function here stands in for the portable rule of the same name and signature
+Imported only on the TensorFlow backend (`tf_lars/_kernels.py`). Each
+function here overrides the portable rule of the same name and signature
 in `tf_lars/_rules.py` (or, for LAMB's direction, in `tf_lars/lamb.py`) and
 gives its numbers; tests/backends_rules_test.py calls both and compares.
 How much each one saves is measured by `python benchmarks/bench.py` (the
@@ -31,7 +31,7 @@ figure is kept here, where it would go stale.
 4. **Sparse gradients** (`tf.IndexedSlices`, only TensorFlow has them):
    LARS's row-wise momentum (`sparse_momentum_step`) and LAMB's sparse Adam
    moments (`sparse_adam_moments`), and the cross-replica step of LARS under
-   `tf.distribute` (`lars_update_step`).
+   `tf.distribute` (`update_with_ratios`).
 5. **Ratio entries at runtime positions** (`entries`): a compile-time
    matter only. Under XLA each variable reads its trust ratio at a position
    that is an input of the compiled program, so the updates of variables of
@@ -313,27 +313,28 @@ def sparse_adam_moments(optimizer, gradient, m, v, one_minus_1, one_minus_2):
     optimizer.assign_add(v, tf.IndexedSlices(tf.square(summed) * one_minus_2, rows))
 
 
-def lars_update_step(optimizer, grads, trainable_variables, learning_rate):
-    """`LARS._backend_update_step` under `tf.distribute` (any strategy).
+def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
+    """`tf_lars._rules.update_with_ratios` under `tf.distribute` too (any
+    strategy, or none).
 
     The gradients are summed across replicas; the ratios are computed in
     replica context on the summed gradients (every replica gets the same
     ratios, each computed once per step), then each variable is updated
     through the strategy, as Keras's own TensorFlow optimizer does.
     """
-    tf_variables = [_internals.backing_variable(v) for v in trainable_variables]
+    tf_variables = [_internals.backing_variable(v) for v in variables]
     grads_and_vars = _internals.all_reduce_sum_gradients(
         optimizer, list(zip(grads, tf_variables))
     )
     grads = [g for g, _ in grads_and_vars]
-    ratios, recorded = optimizer._trust_ratios(grads, tf_variables)
-    optimizer._record_trust_ratios(tf_variables, recorded)
+    ratios, recorded = rule.ratios(grads, tf_variables)
+    rule.record(tf_variables, recorded)
 
     def update(distribution, grads_and_vars, ratios, learning_rate):
         for (gradient, variable), ratio in zip(grads_and_vars, ratios, strict=True):
             distribution.extended.update(
                 variable,
-                lambda v, g, r, lr: optimizer._update(g, v, lr, r),
+                lambda v, g, r, lr: rule.update(g, v, lr, r),
                 args=(gradient, ratio, learning_rate),
                 group=False,
             )
@@ -400,6 +401,11 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     )
     direction = tf.convert_to_tensor(buffer)
     return scale, direction, direction
+
+
+def direction_buffers():
+    """`tf_lars._rules.direction_buffers`: LAMB's scratch buffers."""
+    return DirectionBuffers()
 
 
 class DirectionBuffers:
@@ -499,3 +505,6 @@ class CompiledApply:
             if tf.distribute.get_strategy().num_replicas_in_sync > 1:
                 return False
         return True
+
+
+Apply = CompiledApply

@@ -13,13 +13,11 @@ again instead of reading it back (`lamb_direction`).
 import keras
 from keras import ops
 
-from tf_lars import _internals, _rules
+from tf_lars import _internals, _kernels, _rules
 from tf_lars._validation import check_config_keys, check_number, is_real
 from tf_lars.trust_ratio import TrustRatio
 
 __all__ = ["LAMB"]
-
-_kernels = _rules.kernels()
 
 
 class LambAdam(keras.optimizers.Adam):
@@ -180,7 +178,7 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
     adam = lamb.inner_optimizer
     scale, direction = adam.direction(gradient, variable, learning_rate)
     direction = lamb._with_decay(direction, scale, variable, learning_rate, decay)
-    if not lamb._recomputes_for_norm(direction) or _rules.stacks(direction):
+    if not _kernels.recomputes_for_norms(direction) or _rules.stacks(direction):
         # A small direction is copied into its shape's rows for the norm
         # (`_rules.norm_groups`) anyway: computing it again saves nothing.
         return scale, direction, direction
@@ -344,13 +342,7 @@ class LAMB(TrustRatio):
             **kwargs,
         )
         # LAMB's fused-kernel scratch space (TensorFlow only; never saved).
-        self._direction_buffers = (
-            None if _kernels is _rules else _kernels.DirectionBuffers()
-        )
-
-    # Whether the norm recomputes the direction (`lamb_direction`); the
-    # benchmark swaps it to time the stored direction.
-    _recomputes_for_norm = staticmethod(_kernels.recomputes_for_norms)
+        self._direction_buffers = _kernels.direction_buffers()
 
     def update_step(self, gradient, variable, learning_rate):
         """LAMB's step for one variable (docs/algorithms.md).

@@ -8,10 +8,12 @@ of the same signature, and sparse gradients take step 5 (sparse gradients)
 in `tf_lars/_tf_fast.py`.
 """
 
+import types
+
 import keras
 from keras import ops
 
-from tf_lars import _internals, _rules
+from tf_lars import _internals, _kernels, _rules
 from tf_lars._exclusions import (
     ALL_1D,
     SOURCE_PATH_ATTRIBUTE,
@@ -28,8 +30,7 @@ from tf_lars._validation import (
 
 __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
 
-_kernels = _rules.kernels()
-_Apply = _kernels.CompiledApply if _kernels is not _rules else _rules.PlainApply
+_Apply = _kernels.Apply
 
 
 def _decayed(gradient, variable, decay, dtype):
@@ -251,9 +252,6 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         return _internals.learning_rate_at_update_count(self)
 
     # ------------------------------------------------------- the update rule
-    #: The norms of step 2 (trust ratio): `_rules.norms`, or TensorFlow's folded ones.
-    _norms = staticmethod(_kernels.norms)
-
     def _trust_ratios(self, grads, variables):
         """Step 2 (trust ratio) for every dense gradient at once.
 
@@ -287,7 +285,7 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
                     _decayed(g, w, decay, dtype) if decay != 0.0 else g
                     for g, w, decay in zip(grads_in_norm, weights, decays, strict=True)
                 ]
-            both = self._norms(weights + grads_in_norm)
+            both = _kernels.norms(weights + grads_in_norm)
             w_norm, g_norm = both[: len(positions)], both[len(positions) :]
             if self.trust_ratio == "paper":  # |g| + wd |w|
                 update_norm = g_norm + ops.convert_to_tensor(decays, dtype) * w_norm
@@ -347,16 +345,21 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         return {"momentum": self.momentum, "nesterov": self.nesterov}
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        if _kernels is not _rules:
-            # TensorFlow: the same steps, across replicas under tf.distribute.
-            _kernels.lars_update_step(self, grads, trainable_variables, learning_rate)
-            return
-        ratios, recorded = self._trust_ratios(grads, trainable_variables)
-        self._record_trust_ratios(trainable_variables, recorded)
-        for gradient, variable, ratio in zip(
-            grads, trainable_variables, ratios, strict=True
-        ):
-            self._update(gradient, variable, learning_rate, ratio)
+        # Step 2 (trust ratio) for every variable, then for each steps 1, 3
+        # and 4 (decay in the gradient, local rate, momentum) or step 5
+        # (sparse gradients); on TensorFlow across replicas under
+        # tf.distribute.
+        _kernels.update_with_ratios(
+            self,
+            grads,
+            trainable_variables,
+            learning_rate,
+            types.SimpleNamespace(
+                ratios=self._trust_ratios,
+                record=self._record_trust_ratios,
+                update=self._update,
+            ),
+        )
 
     def _record_trust_ratios(self, variables, recorded):
         _rules.record_trust_ratios(

@@ -10,7 +10,7 @@ import contextlib
 import keras
 from keras import ops
 
-from tf_lars import _internals, _rules
+from tf_lars import _internals, _kernels, _rules
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
     ShapeCheckedApply,
@@ -23,8 +23,7 @@ from tf_lars._wrapper import InnerOptimizerWrapper
 
 __all__ = ["TrustRatio"]
 
-_kernels = _rules.kernels()
-_Apply = _kernels.CompiledApply if _kernels is not _rules else _rules.PlainApply
+_Apply = _kernels.Apply
 
 # Base-class arguments that belong to the wrapper: set on the inner optimizer
 # they would act on the direction alone (or, for `weight_decay`, outside the
