@@ -22,7 +22,9 @@ passes): the count grows with N, and its slope, per variable, is what the
 compile time follows. `--backend torch` instead trains a model holding the
 N variables with `model.fit` under `torch.compile` (Keras's
 `jit_compile=True`) and counts Dynamo's recompilations and its
-recompile-limit warnings. Timings vary with the machine and its load.
+recompile-limit warnings; `--shapes K` gives the variables K distinct shapes
+(more than Dynamo's limit of 8 shows whether a step recompiles per shape).
+Timings vary with the machine and its load.
 """
 
 import argparse
@@ -144,8 +146,21 @@ class _RecompileLog(logging.Handler):
             self.limit_warnings.append(message.splitlines()[0])
 
 
-def measure_torch(name, count, epochs=2):
-    """`model.fit` under `torch.compile`: seconds, recompiles, limit warnings."""
+def variable_shape(position, shapes):
+    """The shape of variable `position`: `SHAPES` alternating, or with
+    `shapes` > 2 the vectors (2,), (3,), ... (shapes + 1,) in turn."""
+    if shapes <= 2:
+        return SHAPES[position % 2]
+    return (position % shapes + 2,)
+
+
+def measure_torch(name, count, shapes=2, epochs=2):
+    """`model.fit` under `torch.compile`: seconds, recompiles, limit warnings.
+
+    The `count` variables take `shapes` distinct shapes (`variable_shape`):
+    a step compiled once per shape would recompile past Dynamo's limit of 8
+    when there are more shapes than that.
+    """
     import keras
     import numpy as np
     import torch._dynamo
@@ -153,7 +168,9 @@ def measure_torch(name, count, epochs=2):
     class ManyWeights(keras.layers.Layer):
         def build(self, input_shape):
             self.many = [
-                self.add_weight(shape=SHAPES[i % 2], initializer="ones", name=f"w{i}")
+                self.add_weight(
+                    shape=variable_shape(i, shapes), initializer="ones", name=f"w{i}"
+                )
                 for i in range(count)
             ]
 
@@ -180,12 +197,12 @@ def measure_torch(name, count, epochs=2):
     }
 
 
-def run_case(backend, name, mode, count, timeout):
+def run_case(backend, name, mode, count, timeout, shapes=2):
     """Runs one case in a fresh process; its result, or None past `timeout`."""
     env = dict(os.environ, KERAS_BACKEND=backend)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     command = [sys.executable, os.path.abspath(__file__), "--child"]
-    command += [backend, name, mode, str(count)]
+    command += [backend, name, mode, str(count), str(shapes)]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, timeout=timeout
@@ -287,7 +304,16 @@ def parse_arguments(argv=None):
         default=600.0,
         help="seconds allowed per case (its process is stopped past it)",
     )
+    parser.add_argument(
+        "--shapes",
+        type=int,
+        default=2,
+        help="torch: distinct variable shapes (default 2: (4,) and (3, 3); more: "
+        "the vectors (2,), (3,), ...)",
+    )
     args = parser.parse_args(argv)
+    if args.shapes < 1:
+        parser.error(f"--shapes must be >= 1. Received: --shapes {args.shapes}")
     if min(args.sizes) < 1 or args.timeout <= 0:
         parser.error(
             "--sizes must be >= 1 and --timeout > 0. "
@@ -309,9 +335,9 @@ def main(argv=None):
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        backend, name, mode, count = argv[1:]
+        backend, name, mode, count, shapes = argv[1:]
         if backend == "torch":
-            result = measure_torch(name, int(count))
+            result = measure_torch(name, int(count), int(shapes))
         else:
             result = measure_tensorflow(name, mode, int(count))
         print(json.dumps(result), flush=True)
@@ -331,7 +357,7 @@ def main(argv=None):
                 if mode == "eager" and name == BASELINES[name]:
                     continue  # Keras's eager apply is not compiled
                 results[(name, mode, count)] = run_case(
-                    args.backend, name, mode, count, args.timeout
+                    args.backend, name, mode, count, args.timeout, args.shapes
                 )
     if args.backend == "torch":
         print_torch_table(results, args.sizes, names)

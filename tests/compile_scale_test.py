@@ -173,3 +173,17 @@ def test_profile_refuses_bad_counts(argv, message, capsys):
         compile_profile.main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_torch_case_variables_take_the_asked_number_of_shapes(capsys):
+    # `--shapes 12`: more shapes than Dynamo's recompile limit of 8.
+    assert {compile_bench.variable_shape(i, 12) for i in range(24)} == {
+        (k,) for k in range(2, 14)
+    }
+    assert {compile_bench.variable_shape(i, 2) for i in range(5)} == set(
+        compile_bench.SHAPES
+    )
+    with pytest.raises(SystemExit) as stop:
+        compile_bench.parse_arguments(["--backend", "torch", "--shapes", "0"])
+    assert stop.value.code == 2
+    assert "--shapes must be >= 1. Received: --shapes 0" in capsys.readouterr().err
