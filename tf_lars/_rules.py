@@ -8,6 +8,8 @@ the same results (tests/backends_rules_test.py holds them equal);
 `tf_lars/_kernels.py` picks each name from one module or the other.
 """
 
+import math
+
 import keras
 import numpy as np
 from keras import ops
@@ -129,8 +131,11 @@ def norm_groups(tensors):
     """
     groups = {}
     for position, tensor in enumerate(tensors):
+        # `stacks(tensor)`, written out: under torch.compile a call per
+        # tensor would be a frame of its own, compiled again for each shape.
         shape = tuple(tensor.shape)
-        groups.setdefault(shape if stacks(tensor) else position, []).append(position)
+        small = None not in shape and math.prod(shape) < STACKED_BELOW
+        groups.setdefault(shape if small else position, []).append(position)
     return [
         group[start : start + STACKED_ROWS]
         for group in groups.values()
@@ -142,7 +147,7 @@ def stacks(tensor):
     """Whether `tensor`'s norm is taken stacked with others of its shape
     (`norm_groups`): a static shape of fewer than `STACKED_BELOW` elements."""
     shape = tuple(tensor.shape)
-    return None not in shape and int(np.prod(shape)) < STACKED_BELOW
+    return None not in shape and math.prod(shape) < STACKED_BELOW
 
 
 def stacked(tensors, group):
@@ -173,7 +178,10 @@ def group_norms(tensors, groups, rows, one, stacked_rows):
     order = [position for group in groups for position in group]
     if order == sorted(order):
         return joined
-    return ops.take(joined, ops.convert_to_tensor(np.argsort(order), "int32"))
+    # A list, not a NumPy array: under torch.compile a NumPy array breaks
+    # the graph.
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return ops.take(joined, ops.convert_to_tensor(back, "int32"))
 
 
 def _rescaled_norms(rows):

@@ -400,15 +400,26 @@ class TrustRatio(
             )
             ratios = self._step_trust_ratios(variables, for_norms, scales, rates[0])
             _rules.record_trust_ratios(self, list(indices), ratios)
-            for variable, scale, direction, ratio in zip(
-                variables,
-                scales,
-                directions,
-                _kernels.entries(ratios, variables),
-                strict=True,
-            ):
-                scale = ops.cast(ratio, variable.dtype) * scale
-                _kernels.scaled_step(self, variable, scale, direction)
+            self._write_steps(variables, scales, directions, ratios)
+
+    def _write_steps(self, variables, scales, directions, ratios):
+        """Step 5 (update) of one dtype's variables: `w <- w - T * scale * d`.
+
+        A method of its own: under `torch.compile` the range check's branch
+        in `norms` breaks the graph inside `_take_steps`'s loop, so Dynamo
+        runs that loop eagerly; this frame it compiles whole, once for the
+        list of variables, instead of each write once per variable shape
+        (past its recompile limit).
+        """
+        for variable, scale, direction, ratio in zip(
+            variables,
+            scales,
+            directions,
+            _kernels.entries(ratios, variables),
+            strict=True,
+        ):
+            scale = ops.cast(ratio, variable.dtype) * scale
+            _kernels.scaled_step(self, variable, scale, direction)
 
     def _inner_step(self, gradient, variable, learning_rate, decay):
         """Steps 1 and 2 (inner step, decay): `lr * u` as `(scale, direction)`.
