@@ -86,8 +86,9 @@ if BACKEND == "torch":  # Dynamo's recompilations: PyTorch only.
         # `model.fit` under torch.compile over 24 variables of 12 shapes, more
         # than Dynamo's limit of 8 recompilations: a write compiled apart for
         # each variable recompiled per shape and hit the limit (LAMB's
-        # `scaled_step`, and the norm groups' shape test while it was a call
-        # per tensor); the norm groups broke the graph with a NumPy index.
+        # `scaled_step`; the norm groups' size test while `np.prod` broke the
+        # graph in their loop); the norm groups also broke it with a NumPy
+        # index.
         from tests import benchmark_scripts
 
         compile_bench = benchmark_scripts.load("compile_bench")

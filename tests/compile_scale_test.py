@@ -83,8 +83,9 @@ def test_no_small_update_reads_its_trust_ratio_at_a_fixed_offset(name):
 
 
 def concatenation_widths(name, count):
-    """Operand counts of the program's concatenations."""
-    optimizer = compile_bench.make_optimizer(name)
+    """Operand counts of the program's concatenations (`name`: a key of
+    `compile_bench.BASELINES`, or an optimizer)."""
+    optimizer = compile_bench.make_optimizer(name) if isinstance(name, str) else name
     text = compile_bench.update_hlo(optimizer, compile_bench.tiny_variables(count))
     return [
         line.split(" concatenate(", 1)[1].count("%")
@@ -102,6 +103,27 @@ def test_no_concatenation_grows_past_a_stack_of_rows(name):
     # variable, so no concatenation is wider than a stack.
     widths = concatenation_widths(name, 3 * _rules.STACKED_ROWS)
     assert widths and max(widths) <= _rules.STACKED_ROWS, max(widths)
+
+
+def test_a_captured_step_takes_one_unit_scale_for_all_variables():
+    # TrustRatio around a Keras optimizer takes each captured step with a
+    # scale of 1; one per dtype and step (`TrustRatio._unit_scale`), so the
+    # ratios take a scalar, not a stack of one 1 per variable.
+    import keras
+    import tensorflow as tf
+
+    import tf_lars
+
+    optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(momentum=0.9))
+    variables = compile_bench.tiny_variables(3 * _rules.STACKED_ROWS)
+    optimizer.build(variables)
+    step = tf.function(
+        lambda g: optimizer.apply(g, variables), jit_compile=True, autograph=False
+    )
+    graph = step.get_concrete_function([tf.ones_like(v) for v in variables]).graph
+    # (XLA folds a stack of constants, so the TensorFlow graph is read.)
+    widest = max(len(op.inputs) for op in graph.get_operations() if op.type == "Pack")
+    assert widest <= _rules.STACKED_ROWS, widest
 
 
 def test_lamb_adds_at_most_one_square_root_per_variable():

@@ -131,11 +131,8 @@ def norm_groups(tensors):
     """
     groups = {}
     for position, tensor in enumerate(tensors):
-        # `stacks(tensor)`, written out: under torch.compile a call per
-        # tensor would be a frame of its own, compiled again for each shape.
         shape = tuple(tensor.shape)
-        small = None not in shape and math.prod(shape) < STACKED_BELOW
-        groups.setdefault(shape if small else position, []).append(position)
+        groups.setdefault(shape if stacks(tensor) else position, []).append(position)
     return [
         group[start : start + STACKED_ROWS]
         for group in groups.values()

@@ -147,8 +147,8 @@ def entries(vector, tensors):
     variable keeps the fixed offset: with every ratio read at a runtime
     position LARS's XLA step over ResNet-50's shapes was slower
     (docs/guides/benchmarks.md, "Compile time"), and large shapes repeat
-    less. Elsewhere, and
-    where the outermost context is not eager, plain indexing.
+    less. Elsewhere, and where the outermost context is not eager, plain
+    indexing.
     """
     if not _internals.in_xla_context():
         return _rules.entries(vector, tensors)

@@ -329,8 +329,8 @@ class TrustRatio(
         inner.__dict__["update_step"] = self.update_step
         if _kernels.batches_trust_ratios(grads):
             self.__dict__["_deferred_steps"] = []
-            self.__dict__["_step_units"] = {}
-            # Per-step scalars computed once (`LambAdam._once_per_step`).
+            # Per-step scalars computed once (`LambAdam._once_per_step`,
+            # `_unit_scale`).
             inner.__dict__["_step_scalars"] = {}
         try:
             _internals.per_variable_update_step(inner)(
@@ -343,7 +343,6 @@ class TrustRatio(
             inner.__dict__.pop("update_step", None)
             inner.__dict__.pop("_step_scalars", None)
             self.__dict__.pop("_deferred_steps", None)
-            self.__dict__.pop("_step_units", None)
         # The inner optimizer's own step count (Adam's bias correction).
         self.assign_add(inner.iterations, ops.ones((), inner.iterations.dtype))
 
@@ -437,15 +436,17 @@ class TrustRatio(
         return scale, self._with_decay(step, scale, variable, learning_rate, decay)
 
     def _unit_scale(self, dtype):
-        """A scale of 1 in `dtype`: one per dtype while steps are deferred
-        (`_backend_update_step`), so `_step_trust_ratios` sees one scale."""
-        units = self.__dict__.get("_step_units")
-        if units is None:
+        """A scale of 1 in `dtype`: one per dtype and step where the step's
+        scalars are shared (`_backend_update_step` opens `_step_scalars`, as
+        for `LambAdam._once_per_step`), so `_step_trust_ratios` sees one
+        scale."""
+        memo = self.inner_optimizer.__dict__.get("_step_scalars")
+        if memo is None:
             return ops.ones((), dtype)
-        key = keras.backend.standardize_dtype(dtype)
-        if key not in units:
-            units[key] = ops.ones((), dtype)
-        return units[key]
+        key = ("unit", keras.backend.standardize_dtype(dtype))
+        if key not in memo:
+            memo[key] = ops.ones((), dtype)
+        return memo[key]
 
     @staticmethod
     def _decay_factor(scale, learning_rate, decay):
