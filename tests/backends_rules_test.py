@@ -23,7 +23,7 @@ import tf_lars
 from tests import benchmark_scripts
 from tests import lamb_reference as ref
 from tests import lars_reference as lars_ref
-from tf_lars import _kernels, _rules
+from tf_lars import _internals, _kernels, _rules
 
 BACKEND = keras.backend.backend()
 STEPS = 3
@@ -456,6 +456,35 @@ def test_discovery_finds_keras_optimizers():
     assert "LossScaleOptimizer" not in names and "Optimizer" not in names
 
 
+@pytest.mark.parametrize(
+    "cls",
+    [c for c in _keras_optimizer_classes() if c.__name__ not in _UNWRAPPABLE],
+    ids=lambda c: c.__name__,
+)
+def test_every_keras_optimizer_writes_its_variable_only_through_assign(cls):
+    # TrustRatio reads a foreign optimizer's step by capturing its writes
+    # (`_internals.captured_step`), which holds only while Keras optimizers
+    # write a variable through `assign`, `assign_add` and `assign_sub`: the
+    # captured step leaves the variable as it was, and is the step an
+    # identical optimizer takes, its slots updated the same way.
+    rng = np.random.default_rng(4)
+    start = rng.normal(size=(4, 3)).astype("float32")
+    gradient = ops.convert_to_tensor(rng.normal(size=(4, 3)).astype("float32"))
+    rate = ops.convert_to_tensor(0.1)
+    variables = [keras.Variable(start), keras.Variable(start)]
+    captured, plain = _make_keras_optimizer(cls), _make_keras_optimizer(cls)
+    for optimizer, variable in zip((captured, plain), variables, strict=True):
+        optimizer.build([variable])
+    step = _internals.captured_step(captured, gradient, variables[0], rate)
+    type(plain).update_step(plain, gradient, variables[1], rate)
+    np.testing.assert_array_equal(ops.convert_to_numpy(variables[0]), start)
+    moved = start - ops.convert_to_numpy(variables[1])
+    assert np.any(moved != 0)
+    np.testing.assert_allclose(ops.convert_to_numpy(step), moved, rtol=1e-6, atol=1e-7)
+    for a, b in zip(captured.variables, plain.variables, strict=True):
+        np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
+
+
 @pytest.mark.parametrize("cls", _keras_optimizer_classes(), ids=lambda c: c.__name__)
 def test_trust_ratio_around_every_keras_optimizer(cls):
     if cls.__name__ in _UNWRAPPABLE:
@@ -611,30 +640,37 @@ if BACKEND == "tensorflow":
         optimizer = tf_lars.LAMB(learning_rate=0.01)
         variable = keras.Variable(start)
         optimizer.build([variable])
+        slots = _internals.adam_slots(optimizer.inner_optimizer, 0)
 
         @tf.function
         def step(gradient):
-            scale, direction, _ = direction_of(
-                optimizer, gradient, variable.value, tf.constant(0.01), decay
+            rate = tf.constant(0.01)
+            scale, epsilon, shift = optimizer._adam_scalars(variable.dtype, rate)
+            factor = None
+            if decay != 0.0:
+                factor = _rules.decay_factor(scale, rate, decay)
+            direction = direction_of(
+                optimizer, gradient, variable.value, slots, epsilon, shift, factor
             )
             optimizer.inner_optimizer.iterations.assign_add(1)
             return scale * direction
 
         steps = [step(gradient).numpy() for gradient in gradients]
+        # The fast path took the fused kernel (its scratch buffer exists).
+        fused = len(_tf_fast.direction_buffers(optimizer))
+        assert fused == (1 if direction_of is _tf_fast.adam_direction else 0)
         return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
 
     @pytest.mark.parametrize("decay", [0.0, 0.01])
     def test_tf_fused_lamb_direction_equals_the_portable_direction(decay):
         # Graph without XLA, where LAMB takes the fused kernel.
-        from tf_lars import lamb as lamb_module
-
         rng = np.random.default_rng(8)
         start = rng.normal(size=(6, 4)).astype("float32")
         gradients = [
             tf.constant(rng.normal(size=(6, 4)).astype("float32")) for _ in range(2)
         ]
-        fast = _lamb_steps(_tf_fast.lamb_direction, start, gradients, decay)
-        portable = _lamb_steps(lamb_module.lamb_direction, start, gradients, decay)
+        fast = _lamb_steps(_tf_fast.adam_direction, start, gradients, decay)
+        portable = _lamb_steps(_rules.adam_direction, start, gradients, decay)
         assert len(fast) == 4  # two steps, m and v
         # 2e-5: the kernel rounds `1 - beta_2` from float32 0.999 (1.3e-5 off
         # 0.001), the portable rule from the Python float.

@@ -507,23 +507,87 @@ def overwrites_with_gradient(optimizer, variable):
     return check(variable)
 
 
-def per_variable_update_step(optimizer):
-    """`optimizer._backend_update_step`, or the one that steps variable by variable.
+def keras_update_step(optimizer):
+    """Keras's own `_backend_update_step` of `optimizer`, bound: its loop of
+    `update_step` over the variables (on TensorFlow, across replicas).
+    `tf_lars.LAMB` runs its rule through it, under its own override."""
+    return functools.partial(keras.optimizers.Optimizer._backend_update_step, optimizer)
 
-    The torch backend swaps in its own subclasses of nine Keras optimizers,
-    all deriving from `TorchParallelOptimizer`
-    (`keras.src.backend.torch.optimizers.torch_parallel_optimizer`), whose
-    `_backend_update_step` steps every variable at once with
-    `torch._foreach_*`, never calling `update_step`; the next definition in
-    the class's MRO (the Keras parent's, Nadam's included) takes the same
-    step one variable at a time through `update_step` (TrustRatio needs
-    that). The class is skipped by identity; on other backends there is none.
+
+def step_each_variable(optimizer, update_step, grads, variables, learning_rate):
+    """Runs `optimizer`'s own step with its `update_step` replaced by
+    `update_step` (an instance attribute, removed after).
+
+    The step is `optimizer._backend_update_step`, so the per-step state it
+    advances (Nadam's `_u_product`) moves as it would alone; on the torch
+    backend Keras's `TorchParallelOptimizer` (`keras.src.backend.torch.
+    optimizers.torch_parallel_optimizer`), whose step updates every
+    variable with `torch._foreach_*` and never calls `update_step`, is
+    skipped for the next definition in the class's MRO (the Keras parent's,
+    which steps variable by variable). `tf_lars.TrustRatio` wraps foreign
+    optimizers this way.
     """
     parallel = _torch_parallel_optimizer()
+    step = optimizer._backend_update_step
     for klass in type(optimizer).__mro__:
         if "_backend_update_step" in vars(klass) and klass is not parallel:
-            return functools.partial(klass._backend_update_step, optimizer)
-    return optimizer._backend_update_step
+            step = functools.partial(klass._backend_update_step, optimizer)
+            break
+    optimizer.__dict__["update_step"] = update_step
+    try:
+        step(grads, variables, learning_rate)
+    finally:
+        optimizer.__dict__.pop("update_step", None)
+
+
+def captured_step(optimizer, gradient, variable, learning_rate):
+    """The step `s = w - w_new` `optimizer`'s own `update_step` takes for
+    `variable`, its slots updated but `variable` left as it was.
+
+    Keras optimizers write every variable through `self.assign`,
+    `self.assign_add` and `self.assign_sub` (tests/internals_test.py checks
+    every Keras optimizer still does); for the call those three methods
+    record the writes aimed at `variable` and pass every other write (the
+    slots) through. Zeros where the step wrote nothing.
+    """
+    writes = []
+
+    def unwrap(target):
+        # TensorFlow hands `update_step` the `tf.Variable` of a Keras one.
+        if tf is not None and isinstance(target, keras.Variable):
+            return target.value
+        return target
+
+    def redirect(kind):
+        original = getattr(optimizer, kind)
+
+        def write(target, value):
+            if target is variable or unwrap(target) is unwrap(variable):
+                writes.append((kind, keras.ops.cast(value, variable.dtype)))
+                return None
+            return original(target, value)
+
+        return write
+
+    kinds = ("assign", "assign_add", "assign_sub")
+    for kind in kinds:
+        optimizer.__dict__[kind] = redirect(kind)
+    try:
+        type(optimizer).update_step(optimizer, gradient, variable, learning_rate)
+    finally:
+        for kind in kinds:
+            optimizer.__dict__.pop(kind, None)
+    step = None
+    for kind, value in writes:
+        if kind == "assign_sub":
+            step = value if step is None else step + value
+        elif kind == "assign_add":
+            step = -value if step is None else step - value
+        else:  # a full assign: w_new = value
+            step = keras.ops.convert_to_tensor(variable) - value
+    if step is None:
+        return keras.ops.zeros(variable.shape, variable.dtype)
+    return step
 
 
 def _torch_parallel_optimizer():

@@ -14,17 +14,14 @@ import keras
 if keras.backend.backend() == "tensorflow":
     from tf_lars._tf_fast import (  # noqa: F401
         Apply,
+        adam_direction,
         batches_trust_ratios,
-        direction_buffers,
         entries,
         is_sparse,
-        lamb_direction,
-        lamb_fusable,
         momentum_step,
         norms,
         recomputes_for_norms,
         scaled_step,
-        sparse_adam_moments,
         sparse_momentum_step,
         summed_rows,
         update_with_ratios,
@@ -32,11 +29,10 @@ if keras.backend.backend() == "tensorflow":
 else:
     from tf_lars._rules import (  # noqa: F401
         Apply,
+        adam_direction,
         batches_trust_ratios,
-        direction_buffers,
         entries,
         is_sparse,
-        lamb_fusable,
         momentum_step,
         norms,
         recomputes_for_norms,

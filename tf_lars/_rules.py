@@ -1,11 +1,10 @@
-"""The pieces LARS, TrustRatio and LAMB share, in `keras.ops` (every backend).
+"""The kernels LARS, TrustRatio and LAMB share, in `keras.ops` (every backend).
 
-docs/algorithms.md states the rules; `tf_lars/lars.py`, `trust_ratio.py` and
-`lamb.py` follow them step by step and call these functions. On the
-TensorFlow backend `tf_lars/_tf_fast.py` overrides some of them (`norms`,
-`momentum_step`, `scaled_step`, ...) with kernels of the same signature and
-the same results (tests/backends_rules_test.py holds them equal);
-`tf_lars/_kernels.py` picks each name from one module or the other.
+docs/algorithms.md states the rules; `lars.py`, `trust_ratio.py` and
+`lamb.py` follow it step by step and call these through `tf_lars/_kernels.py`,
+which takes the TensorFlow backend's overrides of the same name and
+signature from `tf_lars/_tf_fast.py` (tests/backends_rules_test.py holds
+the two equal).
 """
 
 import math
@@ -31,37 +30,32 @@ def is_sparse(gradient):
 
 
 #: Tensors of fewer elements have their norms summed stacked with the
-#: others of their shape (`norm_groups`).
+#: others of their shape, at most `STACKED_ROWS` in a stack (`norm_groups`;
+#: docs/guides/benchmarks.md, "Compile time", has the measured sizes).
 STACKED_BELOW = 4096
-# At most this many tensors in one stack (`norm_groups`): XLA's CPU compiler
-# emits a concatenation as one function with a branch per operand, and its
-# time grew faster than the operands (1,000 tensors of a shape in one stack
-# took longer to compile than all of Keras's SGD step over 2,000 variables);
-# stacks of 128 compiled fastest of 16 to 512 (docs/guides/benchmarks.md,
-# "Compile time").
 STACKED_ROWS = 128
 
 
-def _rescaled_norm(tensor):
+def sum_of_squares(tensor):
+    """`sum(x**2)` of one tensor as a scalar; the TensorFlow backend
+    overrides it (`tf_lars._tf_fast.sum_of_squares`)."""
+    return ops.sum(ops.square(tensor))
+
+
+def _rescaled_norm(tensor, squares_of=sum_of_squares):
     """`|x| = m * |x / m|` with `m = max |x_i|`: no square overflows or
     underflows, so the norm is right wherever it is representable."""
     peak = ops.max(ops.abs(tensor))
     peak = ops.where(peak > 0, peak, ops.ones_like(peak))
-    return peak * ops.sqrt(ops.sum(ops.square(tensor / peak)))
+    return peak * ops.sqrt(squares_of(tensor / peak))
 
 
 def recomputes_for_norms(tensor):
-    """Whether LAMB's norm computes the direction again from `m`, `v` and
-    `w` instead of reading the stored direction (`tf_lars.lamb.lamb_direction`).
-
-    `tensor` is one the step computed (the direction). Yes when a compiler
-    sees the whole step: on JAX when `tensor` is traced (`jax.jit`, the JAX
-    trainer's compiled step), and under XLA on TensorFlow
-    (`tf_lars._tf_fast.recomputes_for_norms`). XLA then sums the squares in
-    the pass that reads `m`, `v` and `w`, instead of writing the direction
-    (used twice) to memory and reading it back. Not when each op runs on
-    its own (PyTorch, eager JAX): there the recomputation is extra work.
-    """
+    """Whether LAMB's norm computes its direction `tensor` again from `m`,
+    `v` and `w` instead of reading it back: where a compiler sees the whole
+    step (here: JAX tracing; TensorFlow: under XLA), which then sums the
+    squares in the pass that reads `m`, `v` and `w`. Op by op the
+    recomputation would be extra work."""
     if keras.backend.backend() != "jax":
         return False
     import jax
@@ -70,17 +64,11 @@ def recomputes_for_norms(tensor):
 
 
 def batches_trust_ratios(gradients):
-    """Whether `TrustRatio` takes steps 3 to 5 (trust ratio, clip, update) at once.
-
-    Yes when a compiler sees the whole step: under `jax.jit` (the gradients
-    are traced), under `torch.compile`, and under XLA on TensorFlow
-    (`tf_lars._tf_fast.batches_trust_ratios`). One `norms` call and one
-    record then serve every variable, where one each made the compiled
-    program, and its compile time, grow several times faster with the
-    number of variables than Keras's optimizers' (and, under
-    `torch.compile`, recompiled per variable shape). Not when each op runs
-    on its own: there every direction would be kept until the last one is
-    known, instead of each being freed after its variable's step.
+    """Whether `TrustRatio` takes steps 3 to 5 (trust ratio, clip, update)
+    of every variable at once: where a compiler sees the whole step (`jax.jit`,
+    `torch.compile`; TensorFlow: XLA outside `tf.distribute`), one `norms`
+    call and one record then serve every variable (compile time and program
+    size). Op by op, each direction is freed after its own step instead.
     """
     backend = keras.backend.backend()
     if backend == "jax":
@@ -95,15 +83,11 @@ def batches_trust_ratios(gradients):
 
 
 def apart(tensors):
-    """`tensors` unchanged, as values a compiler will not merge with others.
-
-    On JAX, `jax.lax.optimization_barrier`; elsewhere the tensors
-    themselves. An expression of the returned values, such as LARS's
-    decayed gradient `g + wd w` in its norm, shares no term with the same
-    expression written elsewhere in the step. Shared, XLA would write the
-    expression to a fresh buffer as large as the variable and read it back
-    for each use; apart, it computes it inside the norm's pass over `g` and
-    `w` (docs/guides/backends.md, "What the JAX step costs").
+    """`tensors` unchanged, as values a compiler will not merge with others
+    (`jax.lax.optimization_barrier` on JAX): an expression of them in a norm
+    (LARS's `g + wd w`) is then computed inside the norm's pass instead of
+    being shared with the update and written out as large as the variable
+    (docs/guides/backends.md, "What the JAX step costs").
     """
     tensors = tuple(tensors)
     if keras.backend.backend() == "jax":
@@ -118,67 +102,35 @@ def value_of(tensor):
     return tensor() if callable(tensor) else tensor
 
 
-def norm_groups(tensors):
-    """Positions of `tensors` in the groups whose norms are computed together.
-
-    Every tensor of fewer than `STACKED_BELOW` elements joins the others of
-    its shape, up to `STACKED_ROWS` in a group; each larger tensor is a
-    group of its own (stacking it would copy it). A compiler then builds one
-    reduction per group instead of one per tensor: a model's hundreds of
-    small variables (biases, scales) share a few shapes, and XLA's compile
-    time and memory grew several times faster with the number of reductions
-    than with the variables themselves (docs/guides/benchmarks.md, "Compile time").
-    """
-    groups = {}
-    for position, tensor in enumerate(tensors):
-        shape = tuple(tensor.shape)
-        groups.setdefault(shape if stacks(tensor) else position, []).append(position)
-    return [
-        group[start : start + STACKED_ROWS]
-        for group in groups.values()
-        for start in range(0, len(group), STACKED_ROWS)
-    ]
-
-
 def stacks(tensor):
-    """Whether `tensor`'s norm is taken stacked with others of its shape
-    (`norm_groups`): a static shape of fewer than `STACKED_BELOW` elements."""
+    """Whether `tensor`'s norm is summed stacked with others of its shape: a
+    static shape of fewer than `STACKED_BELOW` elements. A model's hundreds
+    of small variables (biases, scales) share a few shapes, and a compiler
+    builds one reduction per stack instead of one per tensor; a larger
+    tensor is not stacked (that would copy it)."""
     shape = tuple(tensor.shape)
     return None not in shape and math.prod(shape) < STACKED_BELOW
 
 
-def stacked(tensors, group):
-    """The tensors at the positions of `group` (one shape) as `[k, size]` rows."""
-    rows = ops.stack([tensors[position] for position in group])
-    return ops.reshape(rows, [len(group), -1])
-
-
-def stacked_groups(tensors):
-    """`norm_groups` of `tensors` (values, not functions) and the `stacked`
-    rows of each group (None for a group of one)."""
-    groups = norm_groups(tensors)
-    rows = [None if len(group) == 1 else stacked(tensors, group) for group in groups]
-    return groups, rows
-
-
-def group_norms(tensors, groups, rows, one, stacked_rows):
-    """One vector of `one(tensor)` for each group of one and `stacked_rows`
-    of each group's `rows`, in the order of `tensors` (entries may be
-    functions, called here)."""
-    parts = [
-        ops.reshape(one(value_of(tensors[group[0]])), [1])
-        if matrix is None
-        else stacked_rows(matrix)
-        for group, matrix in zip(groups, rows, strict=True)
+def _norm_groups(values):
+    """`values`' positions grouped for their norms (`stacks`), with the
+    stacked `[k, size]` rows of each group of several (None for one)."""
+    by_shape = {}
+    for position, tensor in enumerate(values):
+        key = tuple(tensor.shape) if stacks(tensor) else position
+        by_shape.setdefault(key, []).append(position)
+    groups = [
+        group[start : start + STACKED_ROWS]
+        for group in by_shape.values()
+        for start in range(0, len(group), STACKED_ROWS)
     ]
-    joined = parts[0] if len(parts) == 1 else ops.concatenate(parts)
-    order = [position for group in groups for position in group]
-    if order == sorted(order):
-        return joined
-    # A list, not a NumPy array: under torch.compile a NumPy array breaks
-    # the graph.
-    back = sorted(range(len(order)), key=order.__getitem__)
-    return ops.take(joined, ops.convert_to_tensor(back, "int32"))
+    rows = [
+        None
+        if len(group) == 1
+        else ops.reshape(ops.stack([values[p] for p in group]), [len(group), -1])
+        for group in groups
+    ]
+    return groups, rows
 
 
 def _rescaled_norms(rows):
@@ -192,28 +144,40 @@ def _rescaled_norms(rows):
     return peaks * ops.sqrt(ops.sum(ops.square(rows / root / root), axis=1))
 
 
-def norms(tensors):
+def norms(tensors, squares_of=sum_of_squares):
     """Euclidean norms of `tensors` (one float dtype) as one vector.
 
     A squared norm that is not finite, or below the smallest normal float
     (its squares may have underflowed), is recomputed scaled by the largest
     entry, so entries of 1e19 or 1e-30 in float32 give their true norm
-    instead of inf or 0; one `ops.cond` runs that only when one needs it.
-    Small tensors are summed stacked by shape (`norm_groups`).
+    instead of inf or 0; one `ops.cond` for all the tensors runs that only
+    when one needs it. Small tensors are summed stacked by shape
+    (`stacks`); `squares_of` sums the squares of each other one.
 
     An entry may be a function that returns the tensor: it is called where
     each norm is computed, so a compiler reads the tensor's inputs there
-    instead of keeping the tensor in memory (`tf_lars.lamb.lamb_direction`).
+    instead of keeping the tensor in memory (LAMB's direction under XLA).
     """
     values = [value_of(tensor) for tensor in tensors]
-    groups, rows = stacked_groups(values)
-    squares = group_norms(
-        values,
-        groups,
-        rows,
-        lambda tensor: ops.sum(ops.square(tensor)),
-        lambda matrix: ops.sum(ops.square(matrix), axis=1),
-    )
+    groups, rows = _norm_groups(values)
+    order = [position for group in groups for position in group]
+    # A list, not a NumPy array: under torch.compile a NumPy array breaks
+    # the graph.
+    back = sorted(range(len(order)), key=order.__getitem__)
+
+    def per_group(one, of_rows):
+        parts = [
+            ops.reshape(one(value_of(tensors[group[0]])), [1])
+            if matrix is None
+            else of_rows(matrix)
+            for group, matrix in zip(groups, rows, strict=True)
+        ]
+        joined = parts[0] if len(parts) == 1 else ops.concatenate(parts)
+        if order == sorted(order):
+            return joined
+        return ops.take(joined, ops.convert_to_tensor(back, "int32"))
+
+    squares = per_group(squares_of, lambda matrix: ops.sum(ops.square(matrix), axis=1))
     dtype = np.dtype(keras.backend.standardize_dtype(squares.dtype))
     lost_range = ops.logical_or(
         ops.logical_not(ops.isfinite(squares)), squares < np.finfo(dtype).tiny
@@ -222,7 +186,9 @@ def norms(tensors):
     def rescale_lost():
         # A group of one computes its tensor again here (see above); the
         # stacked rows are small, and shared with the fast path.
-        rescaled = group_norms(tensors, groups, rows, _rescaled_norm, _rescaled_norms)
+        rescaled = per_group(
+            lambda tensor: _rescaled_norm(tensor, squares_of), _rescaled_norms
+        )
         return ops.where(lost_range, rescaled, ops.sqrt(squares))
 
     return ops.cond(ops.any(lost_range), rescale_lost, lambda: ops.sqrt(squares))
@@ -251,12 +217,7 @@ def trust_ratio(weight_norm, update_norm, trust_coefficient, epsilon, defined=No
 
 def entries(vector, tensors):
     """The entries of `vector`, one per tensor of `tensors` (the variables
-    they belong to), as scalars.
-
-    `tf_lars._tf_fast.entries` reads them under XLA so that the updates of
-    small variables of one shape compile to one kernel (a compile-time
-    matter only: the values are the same).
-    """
+    they belong to), as scalars."""
     return [vector[k] for k in range(len(tensors))]
 
 
@@ -292,17 +253,9 @@ def record_trust_ratios(optimizer, indices, ratios):
 
 def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov):
     """`v <- mu v + gradient; w <- w - rate v` (Nesterov: `w <- w - rate
-    (gradient + mu v)`, with the new `v`).
-
-    Args:
-        optimizer: the optimizer whose `assign*` methods write.
-        variable: the variable.
-        slot: its momentum slot.
-        gradient: tensor added to the slot, in the variable's dtype.
-        rate: scalar tensor the slot is applied with.
-        momentum: float, `mu`.
-        nesterov: bool.
-    """
+    (gradient + mu v)`, with the new `v`), written by `optimizer.assign*`;
+    `gradient` and the scalar `rate` in the variable's dtype, `momentum` the
+    float `mu`."""
     mu = ops.convert_to_tensor(momentum, variable.dtype)
     velocity = mu * ops.convert_to_tensor(slot) + gradient
     optimizer.assign(slot, velocity)
@@ -318,12 +271,10 @@ def scaled_step(optimizer, variable, scale, step):
 
 
 def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
-    """A step that takes every variable's trust ratio first: `rule.ratios(
-    grads, variables)` gives each variable's ratio and the vector to record,
-    `rule.record(variables, vector)` records it, then `rule.update(gradient,
-    variable, learning_rate, ratio)` updates each variable (LARS).
-    `tf_lars._tf_fast.update_with_ratios` does the same across replicas
-    under `tf.distribute`."""
+    """LARS's step: `rule.ratios(grads, variables)` gives every variable's
+    trust ratio and the vector `rule.record(variables, vector)` records,
+    then `rule.update(gradient, variable, learning_rate, ratio)` updates
+    each variable (`tf_lars._tf_fast.update_with_ratios`: across replicas)."""
     del optimizer  # the rule's methods are bound to it
     ratios, recorded = rule.ratios(grads, variables)
     rule.record(variables, recorded)
@@ -331,17 +282,58 @@ def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
         rule.update(gradient, variable, learning_rate, ratio)
 
 
-def lamb_fusable(variable):
-    """Whether LAMB's direction is one fused kernel pass: TensorFlow only
-    (`tf_lars._tf_fast.lamb_fusable`)."""
-    del variable
-    return False
+def decay_factor(scale, learning_rate, decay):
+    """`lr * wd / scale`, so that `lr (d + wd w) = scale * (d' + factor * w)`
+    for a step kept as `scale * d'` (0 where scale is 0: nothing moves)."""
+    dtype = scale.dtype
+    divisor = ops.where(ops.equal(scale, 0), ops.ones_like(scale), scale)
+    return (
+        ops.cast(learning_rate, dtype) * ops.convert_to_tensor(decay, dtype) / divisor
+    )
 
 
-def direction_buffers():
-    """LAMB's scratch space for the fused kernel: TensorFlow only
-    (`tf_lars._tf_fast.DirectionBuffers`)."""
-    return None
+def adam_quotient(m, v, epsilon, shift, guarded):
+    """`m / (sqrt(v + shift) + epsilon)`; with `guarded`, 0 where that is 0 / 0.
+
+    `shift` (`eps_root * (1 - b2**t)`, or None) and `epsilon` (`eps *
+    sqrt(1 - b2**t)`) carry Adam's second bias correction (`tf_lars.LAMB`).
+    `guarded` (both epsilons 0): a variable whose gradients were all 0 has
+    `m = v = 0`, and its direction is 0, not NaN.
+    """
+    if shift is not None:
+        v = v + shift
+    denominator = ops.sqrt(v) + epsilon
+    if guarded:
+        denominator = ops.where(
+            denominator > 0, denominator, ops.ones_like(denominator)
+        )
+    return m / denominator
+
+
+def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor):
+    """LAMB's steps 1 and 2 (inner step, decay) for one variable: Adam's
+    moments `slots = (m, v)` updated with `gradient`, and the direction
+    `adam_quotient(m, v, ...) + factor * w` (`factor` None: no decay term).
+
+    `optimizer` is the `tf_lars.LAMB` (its `beta_1`, `beta_2`, `epsilon`,
+    `eps_root`; its `assign_add` writes). `tf_lars._tf_fast.adam_direction`
+    takes sparse gradients and, without XLA, runs TensorFlow's fused Adam
+    kernel.
+    """
+    m, v = slots
+    dtype = variable.dtype
+    # `1 - beta` is rounded once from the Python float: bfloat16 holds
+    # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
+    gradient = ops.cast(gradient, dtype)
+    one_minus_1 = ops.convert_to_tensor(1 - optimizer.beta_1, dtype)
+    one_minus_2 = ops.convert_to_tensor(1 - optimizer.beta_2, dtype)
+    optimizer.assign_add(m, (gradient - m) * one_minus_1)
+    optimizer.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
+    guarded = optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
+    direction = adam_quotient(m, v, epsilon, shift, guarded)
+    if factor is None:
+        return direction
+    return direction + factor * ops.convert_to_tensor(variable)
 
 
 class PlainApply:

@@ -1,45 +1,31 @@
 """The TensorFlow backend's fast path for LARS, TrustRatio and LAMB.
 
 Imported only on the TensorFlow backend (`tf_lars/_kernels.py`). Each
-function here overrides the portable rule of the same name and signature
-in `tf_lars/_rules.py` (or, for LAMB's direction, in `tf_lars/lamb.py`) and
-gives its numbers; tests/backends_rules_test.py calls both and compares.
-How much each one saves is measured by `python benchmarks/bench.py` (the
-tables and their commands are in docs/guides/benchmarks.md, "Speed"); no
-figure is kept here, where it would go stale.
+function here overrides the portable kernel of the same name and signature
+in `tf_lars/_rules.py` and gives its numbers (tests/backends_rules_test.py
+calls both and compares); `python benchmarks/bench.py` measures what each
+saves (docs/guides/benchmarks.md, "Speed"):
 
-1. **Batched, folded norms** (`norms`): under XLA on CPU a full reduction to
-   a scalar is one serial loop with one accumulator, several times slower
-   than memory allows. Folding the squared tensor into a `[rows, width]`
-   matrix and multiplying by a vector of ones hands the work to XLA's
-   vectorized, multi-threaded matrix-vector kernel. Without XLA
-   (`model.fit`'s CPU default) each norm is one `MatMul` of the flattened
-   tensor with itself, which reads it once and makes no temporary
-   (`_internals.in_xla_context` tells the two cases apart; `python benchmarks/bench.py
-   --only no-xla` compares it with `reduce_sum(square(x))`, the portable
-   rule). Under XLA, LAMB's norm of its direction takes a function that
-   computes the direction again from `m`, `v` and `w` (`recomputes_for_norms`,
-   `tf_lars.lamb.lamb_direction`), so the folded sum reads those instead of
-   a stored copy of the direction.
-2. **Fused writes** (`momentum_step`, `scaled_step`, `lamb_direction`):
+1. **Norms** (`sum_of_squares`): under XLA a large tensor's squares are
+   folded into a `[rows, width]` matrix times a vector of ones (XLA's
+   multi-threaded matrix-vector kernel, where a full reduction is one
+   serial loop); without XLA, one `MatMul` of the flat tensor with itself.
+2. **Fused writes** (`momentum_step`, `scaled_step`, `adam_direction`):
    TensorFlow's `ResourceApplyMomentum`, `ResourceApplyGradientDescent` and
-   `ResourceApplyAdam` kernels update a slot and a variable in one pass,
-   where separate assignments read the new slot back.
-3. **Compiled eager apply** (`CompiledApply`): an eager `apply` (custom loops
-   without `tf.function`) runs as one `tf.function(jit_compile=True)`,
-   traced once per list of variables, instead of one kernel launch per op.
+   `ResourceApplyAdam` update a slot and a variable in one pass.
+3. **Compiled eager apply** (`CompiledApply`): an eager `apply` runs as one
+   `tf.function(jit_compile=True)`, traced once per list of variables.
 4. **Sparse gradients** (`tf.IndexedSlices`, only TensorFlow has them):
-   LARS's row-wise momentum (`sparse_momentum_step`) and LAMB's sparse Adam
-   moments (`sparse_adam_moments`), and the cross-replica step of LARS under
+   LARS's row-wise momentum (`sparse_momentum_step`), LAMB's sparse Adam
+   moments (`adam_direction`), and LARS's cross-replica step under
    `tf.distribute` (`update_with_ratios`).
-5. **Ratio entries at runtime positions** (`entries`): a compile-time
-   matter only. Under XLA each variable reads its trust ratio at a position
-   that is an input of the compiled program, so the updates of variables of
-   one shape are identical kernels, compiled once.
+5. **Ratio entries at runtime positions** (`entries`), a compile-time
+   matter: updates of small variables of one shape compile to one kernel.
 """
 
+import weakref
+
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals, _rules
@@ -67,15 +53,10 @@ def _fold_width(size):
     return None
 
 
-def squared_norm(tensor):
-    """Sum of squares of `tensor` (any rank) as a scalar of its dtype.
-
-    Under XLA the squares are folded into a `[rows, width]` matrix times a
-    vector of ones; elsewhere (graph or eager) the flat tensor is multiplied
-    by itself in one `MatMul`, which reads it once and makes no temporary
-    (faster than `reduce_sum(square(x))`: `python benchmarks/bench.py --only
-    no-xla`).
-    """
+def sum_of_squares(tensor):
+    """`tf_lars._rules.sum_of_squares`: under XLA the squares folded into a
+    `[rows, width]` matrix times a vector of ones; elsewhere one `MatMul` of
+    the flat tensor with itself (reads it once, makes no temporary)."""
     size = tensor.shape.num_elements()
     if size is None or size < _SMALL:
         return tf.reduce_sum(tf.square(tensor))
@@ -90,21 +71,6 @@ def squared_norm(tensor):
     return tf.reduce_sum(partial)
 
 
-def _needs_rescale(squares):
-    """Which squared norms lost range: overflowed to inf, or so small
-    (below the smallest normal float) that squares of entries underflowed."""
-    tiny = tf.constant(np.finfo(squares.dtype.as_numpy_dtype).tiny, squares.dtype)
-    return tf.logical_or(tf.logical_not(tf.math.is_finite(squares)), squares < tiny)
-
-
-def _rescaled_norm(tensor):
-    """`|x| = m * |x / m|` with `m = max |x_i|`: no square overflows or
-    underflows, so the norm is right wherever it is representable."""
-    peak = tf.reduce_max(tf.abs(tensor))
-    peak = tf.where(peak > 0, peak, tf.ones_like(peak))
-    return peak * tf.sqrt(squared_norm(tensor / peak))
-
-
 def recomputes_for_norms(tensor):
     """Under XLA (`jit_compile`): `tf_lars._rules.recomputes_for_norms`."""
     del tensor  # the XLA context decides
@@ -112,20 +78,10 @@ def recomputes_for_norms(tensor):
 
 
 def batches_trust_ratios(gradients):
-    """Under XLA (`jit_compile`) and outside `tf.distribute`:
-    `tf_lars._rules.batches_trust_ratios`. A strategy takes each variable's
-    step in its own update context (`extended.update`), so there every
-    variable's ratio is taken with its step."""
+    """`tf_lars._rules.batches_trust_ratios`: under XLA, outside
+    `tf.distribute` (a strategy steps each variable in its own context)."""
     del gradients  # the XLA context decides
     return _internals.in_xla_context() and not tf.distribute.has_strategy()
-
-
-def _rescaled_norms(rows):
-    """`_rescaled_norm` of each row of `rows` (`_rules.stacked`), as one vector."""
-    peaks = tf.reduce_max(tf.abs(rows), axis=1)
-    peaks = tf.where(peaks > 0, peaks, tf.ones_like(peaks))
-    root = tf.sqrt(peaks)[:, None]  # twice, as in `tf_lars._rules._rescaled_norms`
-    return peaks * tf.sqrt(tf.reduce_sum(tf.square(rows / root / root), axis=1))
 
 
 # Eager int32 scalars 0, 1, 2, ... (`entries`), made once per process.
@@ -133,22 +89,14 @@ _POSITIONS = []
 
 
 def entries(vector, tensors):
-    """`tf_lars._rules.entries`: `vector[k]` for the `k`-th of `tensors`.
+    """`tf_lars._rules.entries`; under XLA a small variable's (`_rules.stacks`)
+    at a position that is a runtime input of the program (a captured eager
+    scalar), not the fixed offset `k`.
 
-    Under XLA each variable's update is one kernel, and XLA's CPU compiler
-    compiles identical kernels once (Keras's SGD: one per variable shape).
-    `vector[k]` puts the offset `k` into the kernel of variable `k`, making
-    every kernel distinct: one compile each, which dominated LARS's and
-    LAMB's compile time over many small variables. For a small variable
-    (`_rules.stacks`: the biases and scales a model has hundreds of) the
-    offset is read instead from a captured eager scalar, a runtime input of
-    the compiled program, so the kernels of small variables of one shape
-    are identical again (`python benchmarks/compile_bench.py`). A large
-    variable keeps the fixed offset: with every ratio read at a runtime
-    position LARS's XLA step over ResNet-50's shapes was slower
-    (docs/guides/benchmarks.md, "Compile time"), and large shapes repeat
-    less. Elsewhere, and where the outermost context is not eager, plain
-    indexing.
+    XLA's CPU compiler compiles identical kernels once, and a fixed offset
+    in each update made every small variable's update a kernel of its own
+    (docs/guides/benchmarks.md, "Compile time"). Large variables keep the
+    fixed offset: read at runtime positions, LARS's XLA step was slower.
     """
     if not _internals.in_xla_context():
         return _rules.entries(vector, tensors)
@@ -164,59 +112,16 @@ def entries(vector, tensors):
 
 
 def norms(tensors):
-    """Euclidean norms of `tensors` (same float dtype) as one vector.
-
-    An entry may be a function returning the tensor, called where each norm
-    is computed (`tf_lars._rules.norms` says why).
-
-    The fast path is `sqrt(squared_norm(x))`; tensors under
-    `_rules.STACKED_BELOW` elements are summed stacked by shape, one
-    reduction per shape (`_rules.norm_groups`). A squared norm that is not
-    finite, or below the smallest normal float, is recomputed scaled by the
-    largest entry (`_rescaled_norm`), so entries of 1e19 or 1e-30 in
-    float32 give their true norm instead of inf or 0. The check is one
-    vector comparison; a `tf.cond` (XLA-compatible) runs the rescaling only
-    when one needs it.
-    """
-    values = [_rules.value_of(t) for t in tensors]
-    groups, rows = _rules.stacked_groups(values)
-    squares = _rules.group_norms(
-        values,
-        groups,
-        rows,
-        squared_norm,
-        lambda matrix: tf.reduce_sum(tf.square(matrix), axis=1),
-    )
-    bad = _needs_rescale(squares)
-
-    def rescale_bad():
-        # Rare (only when some norm needs it): every tensor is rescaled and
-        # `tf.where` keeps the fast norm where it was fine. One branch, not
-        # one `tf.cond` per tensor: hundreds of nested conditionals made
-        # the step several times slower to build and run without XLA.
-        rescaled = _rules.group_norms(
-            tensors, groups, rows, _rescaled_norm, _rescaled_norms
-        )
-        return tf.where(bad, rescaled, tf.sqrt(squares))
-
-    return tf.cond(tf.reduce_any(bad), rescale_bad, lambda: tf.sqrt(squares))
+    """`tf_lars._rules.norms` with `sum_of_squares` for each large tensor."""
+    return _rules.norms(tensors, sum_of_squares)
 
 
 # -------------------------------------------------------------- 2. fused writes
 
 
 def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov):
-    """`_rules.momentum_step` in one fused kernel pass (`ResourceApplyMomentum`).
-
-    Args:
-        optimizer: unused (the kernel writes the variables itself).
-        variable: the variable (`keras.Variable` or `tf.Variable`).
-        slot: its momentum slot (`keras.Variable`).
-        gradient: tensor added to the slot, in the variable's dtype.
-        rate: scalar tensor the slot is applied with.
-        momentum: float, `mu`.
-        nesterov: bool.
-    """
+    """`_rules.momentum_step` in one `ResourceApplyMomentum` pass (the
+    kernel writes `variable`, a `keras.Variable` or `tf.Variable`, itself)."""
     target = variable.value if isinstance(variable, keras.Variable) else variable
     tf.raw_ops.ResourceApplyMomentum(
         var=target.handle,
@@ -230,18 +135,8 @@ def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov)
 
 
 def scaled_step(optimizer, variable, scale, step):
-    """`_rules.scaled_step` in one fused kernel pass.
-
-    TensorFlow's `ResourceApplyGradientDescent` reads `w` and `step` once and
-    writes `w` in place, where the two ops make and read back a temporary the
-    size of `w` (`TrustRatio`'s final write).
-
-    Args:
-        optimizer: unused (the kernel writes the variable itself).
-        variable: the variable (`keras.Variable` or `tf.Variable`).
-        scale: scalar tensor in the variable's dtype.
-        step: tensor of the variable's shape and dtype.
-    """
+    """`_rules.scaled_step` in one `ResourceApplyGradientDescent` pass,
+    which writes `w` in place (two ops make and read back a temporary)."""
     target = variable.value if isinstance(variable, keras.Variable) else variable
     tf.raw_ops.ResourceApplyGradientDescent(
         var=target.handle, alpha=scale, delta=step, use_locking=False
@@ -284,44 +179,21 @@ def sparse_momentum_step(optimizer, gradient, variable, learning_rate, slot):
 
 
 def summed_rows(gradient, dtype=None):
-    """The sparse gradient with each repeated row summed into one row (its
-    values cast to `dtype` first, if given; int64 row indices).
-
-    `TrustRatio` hands this to its inner optimizer: Keras's Adam, RMSprop
-    and others square the rows of a `tf.IndexedSlices` one by one, so a row
-    that appears twice would contribute `a**2 + b**2` where the gradient's
-    own row is `(a + b)**2` (measured: TrustRatio(Adam) moved that row 0.11
-    away from Adam on the summed gradient in three steps). LAMB's sparse
-    moments square the summed rows the same way (`sparse_adam_moments`).
-    """
+    """The sparse gradient with each repeated row summed into one row (values
+    cast to `dtype` if given; int64 rows). Keras's Adam, RMSprop and others
+    square a `tf.IndexedSlices`'s rows one by one: a row given twice would
+    add `a**2 + b**2` where the gradient's own row squares to `(a + b)**2`."""
     values = gradient.values if dtype is None else tf.cast(gradient.values, dtype)
     rows, position = tf.unique(tf.cast(gradient.indices, tf.int64))
     summed = tf.math.unsorted_segment_sum(values, position, tf.size(rows))
     return tf.IndexedSlices(summed, rows, gradient.dense_shape)
 
 
-def sparse_adam_moments(optimizer, gradient, m, v, one_minus_1, one_minus_2):
-    """LAMB's Adam moments for a sparse gradient: repeated rows summed
-    before they are squared, every row of `m` and `v` decayed (as Adam on
-    the summed dense gradient), the gradient never densified."""
-    dtype = m.dtype
-    gradient = summed_rows(gradient, dtype)
-    summed, rows = gradient.values, gradient.indices
-    optimizer.assign(m, m * tf.constant(optimizer.beta_1, dtype))
-    optimizer.assign_add(m, tf.IndexedSlices(summed * one_minus_1, rows))
-    optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
-    optimizer.assign_add(v, tf.IndexedSlices(tf.square(summed) * one_minus_2, rows))
-
-
 def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
-    """`tf_lars._rules.update_with_ratios` under `tf.distribute` too (any
-    strategy, or none).
-
-    The gradients are summed across replicas; the ratios are computed in
-    replica context on the summed gradients (every replica gets the same
-    ratios, each computed once per step), then each variable is updated
-    through the strategy, as Keras's own TensorFlow optimizer does.
-    """
+    """`tf_lars._rules.update_with_ratios` under any `tf.distribute` strategy:
+    the ratios of the gradients summed across replicas, in replica context
+    (the same on every replica), then each variable's update through the
+    strategy, as Keras's own TensorFlow optimizer does."""
     tf_variables = [_internals.backing_variable(v) for v in variables]
     grads_and_vars = _internals.all_reduce_sum_gradients(
         optimizer, list(zip(grads, tf_variables))
@@ -348,42 +220,66 @@ def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
     )
 
 
-# ------------------------------------------------------ 5. LAMB's fused Adam
+# ------------------------------------------------------ 5. LAMB's Adam direction
+
+# LAMB's scratch buffers, by optimizer: one `tf.Variable` per variable shape
+# and dtype (variables of one shape take their steps one after another on
+# it), made when the first dense gradient of its shape arrives. Out of the
+# optimizer, so neither Keras nor `tf.train.Checkpoint` tracks or saves them.
+_BUFFERS = weakref.WeakKeyDictionary()
 
 
-def lamb_fusable(variable):
-    """Whether LAMB's direction can be one `ResourceApplyAdam` pass: float32
-    or float64, not under XLA (it compiles the plain ops as well) and not
-    under `tf.distribute` (the kernel writes a scratch buffer)."""
-    return (
-        variable.dtype in (tf.float32, tf.float64)
-        and not tf.distribute.has_strategy()
-        and not _internals.in_xla_context()
-    )
+def direction_buffers(optimizer):
+    """The scratch buffers `adam_direction` made for `optimizer`, by key."""
+    return _BUFFERS.setdefault(optimizer, {})
 
 
-def lamb_direction(lamb, gradient, variable, learning_rate, decay):
-    """`tf_lars.lamb.lamb_direction` in one kernel pass (see `lamb_fusable`).
+def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor):
+    """`tf_lars._rules.adam_direction`, sparse gradients included.
 
-    A scratch `tf.Variable` of the variable's shape (`DirectionBuffers`) is
-    set to the decay term; TensorFlow's `ResourceApplyAdam` kernel then
-    updates `m` and `v` exactly as the portable rule does and adds
-    `m / (sqrt(v) + eps * sqrt(1 - b2**t))` to it, in one pass over the
-    gradient, `m`, `v` and the buffer (its own bias correction is switched
-    off: `lr = -1`, both beta powers 0, so it adds the direction).
-    Returns `(scale, direction, direction)`: the norm reads the buffer too.
+    A sparse gradient's repeated rows are summed before they are squared,
+    and every row of `m` and `v` decays (Adam on the summed dense gradient,
+    never densified). Without XLA and `tf.distribute`, in float32 or
+    float64, with no `eps_root` and a non-zero `epsilon` (the kernel has no
+    0 / 0 guard), TensorFlow's `ResourceApplyAdam` updates `m` and `v` and
+    adds `m / (sqrt(v) + epsilon)` to a scratch buffer set to the decay term,
+    in one pass (its own bias correction off: `lr = -1`, both beta powers 0).
     """
-    adam = lamb.inner_optimizer
+    m, v = slots
     dtype = variable.dtype
-    m, v = _internals.adam_slots(adam, _internals.variable_index(adam, variable))
-    # The scale depends on the step count and the rate only, so it is known
-    # before the kernel runs (the decay term needs it).
-    scale = adam.direction_scale(dtype, learning_rate)
-    buffer = lamb._direction_buffers.get(variable)
-    if decay == 0.0:
+    if is_sparse(gradient):
+        gradient = summed_rows(gradient, dtype)
+        rows, summed = gradient.indices, gradient.values
+        optimizer.assign(m, m * tf.constant(optimizer.beta_1, dtype))
+        added = summed * tf.constant(1 - optimizer.beta_1, dtype)
+        optimizer.assign_add(m, tf.IndexedSlices(added, rows))
+        optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
+        added = tf.square(summed) * tf.constant(1 - optimizer.beta_2, dtype)
+        optimizer.assign_add(v, tf.IndexedSlices(added, rows))
+        guarded = optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
+        return _rules.adam_quotient(m, v, epsilon, shift, guarded)
+    if (
+        shift is not None
+        or optimizer.epsilon == 0.0
+        or dtype not in (tf.float32, tf.float64)
+        or tf.distribute.has_strategy()
+        or _internals.in_xla_context()
+    ):
+        return _rules.adam_direction(
+            optimizer, gradient, variable, slots, epsilon, shift, factor
+        )
+    buffers = direction_buffers(optimizer)
+    key = (tuple(variable.shape), variable.dtype)
+    if key not in buffers:
+        with tf.init_scope():
+            buffers[key] = tf.Variable(
+                tf.zeros(variable.shape, dtype), trainable=False, name="lamb_direction"
+            )
+    buffer = buffers[key]
+    if factor is None:
         buffer.assign(tf.zeros_like(variable))
     else:
-        buffer.assign(lamb._decay_factor(scale, learning_rate, decay) * variable)
+        buffer.assign(factor * variable)
     zero = tf.zeros([], dtype)
     tf.raw_ops.ResourceApplyAdam(
         var=buffer.handle,
@@ -392,51 +288,14 @@ def lamb_direction(lamb, gradient, variable, learning_rate, decay):
         beta1_power=zero,
         beta2_power=zero,
         lr=-tf.ones([], dtype),
-        beta1=tf.constant(adam.beta_1, dtype),
-        beta2=tf.constant(adam.beta_2, dtype),
-        epsilon=adam.bias_corrected_epsilon(dtype),
+        beta1=tf.constant(optimizer.beta_1, dtype),
+        beta2=tf.constant(optimizer.beta_2, dtype),
+        epsilon=epsilon,
         grad=tf.cast(gradient, dtype),
         use_locking=False,
         use_nesterov=False,
     )
-    direction = tf.convert_to_tensor(buffer)
-    return scale, direction, direction
-
-
-def direction_buffers():
-    """`tf_lars._rules.direction_buffers`: LAMB's scratch buffers."""
-    return DirectionBuffers()
-
-
-class DirectionBuffers:
-    """One scratch `tf.Variable` per variable shape and dtype, for `LAMB`.
-
-    `lamb_direction` writes the direction into a buffer; variables of one
-    shape share it (their updates run one after another on it). A buffer is
-    made the first time a dense gradient of its shape arrives, so
-    sparse-only variables (embedding tables) never get one. A plain object,
-    not a list or dict: neither Keras nor `tf.train.Checkpoint` tracks it,
-    so buffers are never saved and checkpoints are unchanged.
-    """
-
-    def __init__(self):
-        self._buffers = {}
-
-    def get(self, variable):
-        key = (tuple(variable.shape), variable.dtype)
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            with tf.init_scope():
-                buffer = tf.Variable(
-                    tf.zeros(variable.shape, variable.dtype),
-                    trainable=False,
-                    name="lamb_direction",
-                )
-            self._buffers[key] = buffer
-        return buffer
-
-    def __len__(self):
-        return len(self._buffers)
+    return tf.convert_to_tensor(buffer)
 
 
 # ------------------------------------------------------ 3. compiled eager apply

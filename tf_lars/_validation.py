@@ -56,6 +56,19 @@ def check_number(name, value, *, low=None, low_inclusive=True, high=None):
     return float(value)
 
 
+def check_learning_rate(learning_rate):
+    """A non-negative float (returned as a float), a schedule or a callable."""
+    if is_real(learning_rate):
+        return check_number("learning_rate", learning_rate, low=0.0)
+    if not callable(learning_rate):  # schedules are callable too
+        raise ValueError(
+            "`learning_rate` must be a non-negative finite float, a "
+            "`keras.optimizers.schedules.LearningRateSchedule` or a "
+            f"callable. Received: learning_rate={learning_rate!r}"
+        )
+    return learning_rate
+
+
 def check_positive(name, value):
     """A real > 0 and finite in float32, returned as a float."""
     if not is_real(value) or not (math.isfinite(value) and value > 0):
@@ -181,3 +194,72 @@ class ShapeCheckedApply:
             if len(grads) == len(known):
                 check_gradient_shapes(grads, known)
         return super().apply(grads, trainable_variables)
+
+
+# Base-class arguments that belong to the wrapper: set on the inner optimizer
+# they would act on the direction alone (or, for `weight_decay`, outside the
+# ratio), so they are refused there.
+_OUTER_ARGUMENTS = (
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def check_inner_optimizer(inner_optimizer):
+    """Refuses what `tf_lars.TrustRatio` cannot wrap, in one `ValueError`."""
+    # tf_lars's own refusals carry a marker (`takes_no_trust_ratio`: LARS,
+    # AGN, TrustRatio, LAMB, the loss scale); Keras's loss scale wraps a whole
+    # optimizer, and Keras's own `Lamb` already applies a trust ratio: a
+    # second one on top of it is no published rule (`tf_lars.LAMB` is the
+    # wrapped Adam).
+    import keras
+
+    refused = (keras.optimizers.LossScaleOptimizer,)
+    refused += (keras.optimizers.Lamb,) if hasattr(keras.optimizers, "Lamb") else ()
+
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    if isinstance(inner_optimizer, refused) or getattr(
+        inner_optimizer, "takes_no_trust_ratio", False
+    ):
+        raise ValueError(
+            "`inner_optimizer` must be a plain Keras optimizer (SGD, Adam, "
+            "AdamW, Lion, ...), not a loss-scale, AGN, LARS, TrustRatio or "
+            "Lamb optimizer (Keras's `Lamb` has its own trust ratio; use "
+            "`tf_lars.LAMB`, or wrap the TrustRatio in the others). "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    for argument in _OUTER_ARGUMENTS:
+        value = getattr(inner_optimizer, argument, None)
+        if value not in (None, 0, 0.0):
+            raise ValueError(
+                f"`inner_optimizer.{argument}` must be unset: set `{argument}` "
+                "on the TrustRatio (its weight decay sits inside the ratio). "
+                f"Received: inner_optimizer.{argument}={value!r}"
+            )
+    base = keras.optimizers.Optimizer
+    own_class = type(inner_optimizer)
+    if own_class.update_step is base.update_step or own_class.apply is not base.apply:
+        # The wrapper takes the step one variable at a time, through the
+        # inner optimizer's `update_step`; one that steps only in its own
+        # `apply` (MultiOptimizer hands variables to other optimizers) has
+        # no step to rescale.
+        raise ValueError(
+            "`inner_optimizer` must take its step in its own `update_step`, "
+            f"one variable at a time; {own_class.__name__} steps only in its "
+            "own `apply` and cannot be wrapped. "
+            f"Received: inner_optimizer={inner_optimizer!r}"
+        )
+    check_inner_learning_rate(inner_optimizer)
+    if getattr(inner_optimizer, "use_ema", False):
+        raise ValueError(
+            "`inner_optimizer.use_ema` must be False: set `use_ema` on the "
+            "TrustRatio. Received: inner_optimizer.use_ema=True"
+        )

@@ -1,37 +1,30 @@
-"""LAMB: `tf_lars.TrustRatio` around Adam, its whole step in this file.
+"""LAMB: Adam with a layer-wise trust ratio; `LAMB.update_step` is the rule.
 
 The rule is docs/algorithms.md, section "TrustRatio and LAMB"; the table
 there maps the published LAMB variants onto this class's flags.
-`LAMB.update_step` reads top to bottom: Adam's moments and direction
-(`lamb_direction`, with `LambAdam`), the weight decay, the trust ratio and
-the write (`TrustRatio._take_step`). On the TensorFlow backend, without XLA,
-`tf_lars._tf_fast.lamb_direction` computes the same direction in one fused
-kernel; under XLA (TensorFlow's or JAX's) step 3 (trust ratio) computes it
-again instead of reading it back (`lamb_direction`).
+`LAMB.update_step` reads top to bottom (Adam's moments and bias
+corrections, the direction, the decay, the trust ratio and the write);
+`tf_lars.TrustRatio`, its base, takes the trust ratio of every variable a
+step updates together where a compiler sees the step.
 """
 
 import keras
 from keras import ops
 
 from tf_lars import _internals, _kernels, _rules
-from tf_lars._validation import check_config_keys, check_number, is_real
+from tf_lars._validation import check_config_keys, check_learning_rate, check_number
 from tf_lars.trust_ratio import TrustRatio
 
 __all__ = ["LAMB"]
 
 
 class LambAdam(keras.optimizers.Adam):
-    """`keras.optimizers.Adam` with epsilon added after the bias correction.
+    """LAMB's inner optimizer: Adam's slots and settings, plus `eps_root`.
 
-    `keras.optimizers.Adam` adds its `epsilon` to `sqrt(v)` before the bias
-    correction of `v`; LAMB (the paper, optax, Keras's own `Lamb`, timm,
-    tensorflow-addons) adds it to `sqrt(v_hat)`, after. The slots, their
-    update and the bias correction are Adam's:
-
-    ```
-    m <- b1 m + (1 - b1) g          v <- b2 v + (1 - b2) g**2
-    w <- w - lr * (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + epsilon)
-    ```
+    `LAMB.update_step` takes the step, with `epsilon` added to
+    `sqrt(v_hat)`, after the bias correction, as the paper, optax, Keras's
+    `Lamb`, timm and tensorflow-addons do (`keras.optimizers.Adam` adds it
+    before).
     """
 
     def __init__(self, *args, eps_root=0.0, name=None, **kwargs):
@@ -41,180 +34,26 @@ class LambAdam(keras.optimizers.Adam):
         super().__init__(*args, name=name, **kwargs)
         self.eps_root = eps_root
 
-    @property
-    def fusable(self):
-        """Whether TensorFlow's fused Adam kernel computes this direction:
-        it has no `eps_root`, and divides 0 by 0 where `epsilon` is 0."""
-        return self.eps_root == 0.0 and self.epsilon != 0.0
 
-    def divide(self, m, v, epsilon):
-        """`m / (sqrt(v + eps_root (1 - b2**t)) + epsilon)`, 0 where that is 0 / 0.
+def _recomputed(slots, variable, epsilon, shift, factor, optimizer):
+    """A function computing LAMB's direction again from `m`, `v` and `w`.
 
-        `sqrt(v_hat + eps_root) = sqrt(v + eps_root (1 - b2**t)) / sqrt(1 -
-        b2**t)`: optax's `eps_root` with the bias correction folded as in
-        `direction`. With both epsilons 0 a variable whose gradients were
-        all 0 has `m = v = 0`: its direction is 0, not NaN.
-        """
-        if self.eps_root != 0.0:
-            dtype = keras.backend.standardize_dtype(v.dtype)
-            scalar = _rules.compute_dtype(dtype)
-            shift = ops.convert_to_tensor(self.eps_root, scalar) * ops.square(
-                self._root_2(dtype)
-            )
-            v = v + ops.cast(shift, dtype)
-        denominator = ops.sqrt(v) + epsilon
-        if self.eps_root == 0.0 and self.epsilon == 0.0:
-            denominator = ops.where(
-                denominator > 0, denominator, ops.ones_like(denominator)
-            )
-        return m / denominator
-
-    def update_step(self, gradient, variable, learning_rate):
-        scale, direction = self.direction(gradient, variable, learning_rate)
-        self.assign_sub(variable, scale * direction)
-
-    def direction(self, gradient, variable, learning_rate):
-        """Updates `m` and `v`; returns `(scale, direction)` of the step.
-
-        The step `lr * m_hat / (sqrt(v_hat) + eps)` is `scale * direction`
-        with `direction = m / (sqrt(v) + eps * sqrt(1 - b2**t))` and the
-        scalar `scale = lr * sqrt(1 - b2**t) / (1 - b1**t)`: the two bias
-        corrections are folded into scalars, one pass over `m` and `v`.
-        Sparse gradients (TensorFlow's `tf.IndexedSlices`) update the slots
-        with scatters, repeated rows summed first (Adam on the summed dense
-        gradient), never densified.
-        """
-        dtype = variable.dtype
-        m, v = _internals.adam_slots(self, _internals.variable_index(self, variable))
-        # `1 - beta` is rounded once from the Python float: bfloat16 holds
-        # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
-        one_minus_1 = ops.convert_to_tensor(1 - self.beta_1, dtype)
-        one_minus_2 = ops.convert_to_tensor(1 - self.beta_2, dtype)
-        if _kernels.is_sparse(gradient):
-            _kernels.sparse_adam_moments(self, gradient, m, v, one_minus_1, one_minus_2)
-        else:
-            gradient = ops.cast(gradient, dtype)
-            self.assign_add(m, (gradient - m) * one_minus_1)
-            self.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
-        epsilon = self.bias_corrected_epsilon(dtype)
-        return self.direction_scale(dtype, learning_rate), self.divide(m, v, epsilon)
-
-    def moments(self, variable):
-        """The values of `m` and `v` of `variable` (after `direction`)."""
-        m, v = _internals.adam_slots(self, _internals.variable_index(self, variable))
-        return ops.convert_to_tensor(m), ops.convert_to_tensor(v)
-
-    def _once_per_step(self, key, compute):
-        """`compute()`, or its value from earlier in this step.
-
-        Adam's scalars are the same for every variable of one dtype; where
-        a compiler sees the whole step (`TrustRatio._backend_update_step`
-        opens `_step_scalars` then) they are computed once instead of once
-        per variable, which kept LAMB's compiled program, and its compile
-        time, growing faster than Adam's (docs/guides/benchmarks.md,
-        "Compile time"). Elsewhere every call computes them.
-        """
-        memo = self.__dict__.get("_step_scalars")
-        if memo is None:
-            return compute()
-        if key not in memo:
-            memo[key] = compute()
-        return memo[key]
-
-    def _root_2(self, dtype):
-        """`sqrt(1 - b2**t)` in float32 (float64 for float64 variables)."""
-        scalar = _rules.compute_dtype(dtype)
-
-        def compute():
-            step = ops.cast(self.iterations + 1, scalar)
-            beta_2 = ops.convert_to_tensor(self.beta_2, scalar)
-            return ops.sqrt(1 - ops.power(beta_2, step))
-
-        return self._once_per_step(("root_2", scalar), compute)
-
-    def bias_corrected_epsilon(self, dtype):
-        """`eps * sqrt(1 - b2**t)`, the epsilon of `direction`, in `dtype`."""
-        scalar = _rules.compute_dtype(dtype)
-        return self._once_per_step(
-            ("epsilon", str(dtype)),
-            lambda: ops.cast(
-                ops.convert_to_tensor(self.epsilon, scalar) * self._root_2(dtype),
-                dtype,
-            ),
-        )
-
-    def direction_scale(self, dtype, learning_rate):
-        """`lr * sqrt(1 - b2**t) / (1 - b1**t)`: the step is this times `direction`.
-
-        Computed in float32 and cast to `dtype`: in bfloat16 `b2**t` rounds
-        to 1 and the scale to 0 (with a zero epsilon term: 0 * inf = NaN).
-        """
-        scalar = _rules.compute_dtype(dtype)
-
-        def compute():
-            step = ops.cast(self.iterations + 1, scalar)
-            beta_1 = ops.convert_to_tensor(self.beta_1, scalar)
-            correction_1 = 1 - ops.power(beta_1, step)
-            scale = ops.cast(learning_rate, scalar) / correction_1 * self._root_2(dtype)
-            return ops.cast(scale, dtype)
-
-        return self._once_per_step(("scale", str(dtype), id(learning_rate)), compute)
-
-
-def lamb_direction(lamb, gradient, variable, learning_rate, decay):
-    """Steps 1 and 2 (inner step, decay) of `lamb`: Adam's moments, `lr * u` with
-    `u = m_hat / (sqrt(v_hat) + eps) + wd * w` as `(scale, direction)`.
-
-    Returns `(scale, direction, for_norm)`. `for_norm` is what step 3
-    (trust ratio) takes the norm of: `direction` itself, or, where XLA
-    compiles the step (JAX under `jit`, TensorFlow under XLA;
-    `_rules.recomputes_for_norms`), a
-    function that computes the same values again from `m`, `v` and `w`.
-    XLA then sums their squares in the pass that reads `m`, `v` and `w`,
-    instead of writing the direction (used twice) to memory and reading it
-    back (docs/guides/benchmarks.md: LAMB's XLA step over ResNet-50's
-    shapes, and the same step with the direction stored for its norm).
+    The same values; `abs` (v >= 0) only makes the expression a different
+    one, so that XLA does not share the two. The scalars pass `apart` with
+    `v`: on JAX, XLA would otherwise fold their arithmetic into a broadcast
+    and write it out as large as `v` before the norm reads it
+    (docs/guides/backends.md).
     """
-    adam = lamb.inner_optimizer
-    scale, direction = adam.direction(gradient, variable, learning_rate)
-    direction = lamb._with_decay(direction, scale, variable, learning_rate, decay)
-    if not _kernels.recomputes_for_norms(direction) or _rules.stacks(direction):
-        # A small direction is copied into its shape's rows for the norm
-        # (`_rules.norm_groups`) anyway: computing it again saves nothing.
-        return scale, direction, direction
-    m, v = adam.moments(variable)
-    scalars = [adam.bias_corrected_epsilon(variable.dtype)]
-    if decay != 0.0:
-        scalars.append(lamb._decay_factor(scale, learning_rate, decay))
+    m, v = (ops.convert_to_tensor(slot) for slot in slots)
     weights = ops.convert_to_tensor(variable)
+    guarded = optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
 
     def for_norm():
-        # The same values as `direction` (`TrustRatio._with_decay`'s sum);
-        # `abs` (v >= 0) only makes the expression a different one, so that
-        # XLA does not share the two. The scalars pass `apart` with `v`: on
-        # JAX, XLA would otherwise fold their arithmetic into a broadcast
-        # and write it out as large as `v` before the norm reads it (a
-        # barrier around the scalars alone did not stop that;
-        # docs/guides/backends.md).
-        kept = _rules.apart([v, *scalars])  # v, epsilon, the decay factor
-        again = adam.divide(m, ops.abs(kept[0]), kept[1])
-        if decay == 0.0:
-            return again
-        return again + kept[2] * weights
+        kept = _rules.apart([v, epsilon] + ([] if factor is None else [factor]))
+        again = _rules.adam_quotient(m, ops.abs(kept[0]), kept[1], shift, guarded)
+        return again if factor is None else again + kept[2] * weights
 
-    return scale, direction, for_norm
-
-
-def _check_learning_rate(learning_rate):
-    if is_real(learning_rate):
-        return check_number("learning_rate", learning_rate, low=0.0)
-    if not callable(learning_rate):  # schedules are callable too
-        raise ValueError(
-            "`learning_rate` must be a non-negative finite float, a "
-            "`keras.optimizers.schedules.LearningRateSchedule` or a "
-            f"callable. Received: learning_rate={learning_rate!r}"
-        )
-    return learning_rate
+    return for_norm
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -234,16 +73,11 @@ class LAMB(TrustRatio):
     Sparse gradients (`tf.IndexedSlices`) take Adam's update without ratio or
     weight decay, and are never densified.
 
-    Speed and memory: without XLA and outside `tf.distribute` (Keras's
+    On the TensorFlow backend without XLA and `tf.distribute` (Keras's
     `model.fit` on a CPU), Adam's moments and the direction come from one
-    pass of TensorFlow's fused `ResourceApplyAdam` kernel into a scratch
-    buffer: one per distinct variable shape, made when the first dense
-    gradient of that shape arrives, never saved (how much memory that takes
-    for ResNet-50 is in docs/guides/benchmarks.md). Under XLA
-    (TensorFlow's `jit_compile`, and JAX's `jit`, as in the JAX trainer)
-    the same rule runs as plain ops, and the
-    trust ratio's norm computes the direction again from `m`, `v` and `w`
-    rather than storing it (`lamb_direction`).
+    pass of TensorFlow's fused Adam kernel into a scratch buffer per
+    variable shape, never saved (docs/guides/benchmarks.md has what that
+    costs and saves).
 
     Args:
         learning_rate: float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -314,7 +148,7 @@ class LAMB(TrustRatio):
         name=None,
         **kwargs,
     ):
-        learning_rate = _check_learning_rate(learning_rate)
+        learning_rate = check_learning_rate(learning_rate)
         adam = LambAdam(
             learning_rate=learning_rate,
             beta_1=check_number("beta_1", beta_1, low=0.0, high=1.0),
@@ -341,38 +175,71 @@ class LAMB(TrustRatio):
             name=name,
             **kwargs,
         )
-        # LAMB's fused-kernel scratch space (TensorFlow only; never saved).
-        self._direction_buffers = _kernels.direction_buffers()
 
     def update_step(self, gradient, variable, learning_rate):
-        """LAMB's step for one variable (docs/algorithms.md).
-
-        `lr * T * u` is taken as `T * scale * direction`: Adam's two bias
-        corrections and the rate are the scalar `scale`, so the variable
-        and the moments are each read once.
-        """
-        if _kernels.is_sparse(gradient):
-            # Step 6 (sparse gradients): Adam's own update, no ratio, no decay.
-            self._inner_update_step(gradient, variable, learning_rate)
-            return
+        """LAMB's step for one variable: steps 1 to 6 (inner step, decay,
+        trust ratio, clip, update, sparse gradients) of docs/algorithms.md,
+        "TrustRatio and LAMB"."""
         index = _internals.variable_index(self, variable)
-        decay = self._variable_weight_decay[index]
-        # Steps 1 and 2 (inner step, decay): m, v and
-        # lr * (m_hat / (sqrt(v_hat) + eps) + wd w).
-        if (
-            self._direction_buffers is not None
-            and self.inner_optimizer.fusable
-            and _kernels.lamb_fusable(variable)
-        ):
-            direction_of = _kernels.lamb_direction
-        else:
-            direction_of = lamb_direction
-        scale, direction, for_norm = direction_of(
-            self, gradient, variable, learning_rate, decay
+        slots = _internals.adam_slots(self.inner_optimizer, index)
+        sparse = _kernels.is_sparse(gradient)
+        decay = 0.0 if sparse else self._variable_weight_decay[index]
+        # Step 1 (inner step): Adam's moments and its step
+        # lr * m_hat / (sqrt(v_hat + eps_root) + eps), taken as
+        # scale * m / (sqrt(v + shift) + epsilon): the bias corrections
+        # c1 = 1 - b1**t and c2 = 1 - b2**t are folded into the scalars
+        # scale = lr sqrt(c2) / c1, epsilon = eps sqrt(c2), shift = eps_root c2.
+        scale, epsilon, shift = self._adam_scalars(variable.dtype, learning_rate)
+        # Step 2 (decay): u = m_hat / (...) + wd w, so lr u = scale * direction
+        # with the decay term factor * w, factor = lr wd / scale.
+        factor = None
+        if decay != 0.0:
+            factor = _rules.decay_factor(scale, learning_rate, decay)
+        direction = _kernels.adam_direction(
+            self, gradient, variable, slots, epsilon, shift, factor
         )
+        if sparse:
+            # Step 6 (sparse gradients): Adam's step, no ratio, no decay.
+            self.assign_sub(variable, scale * direction)
+            return
+        for_norm = direction
+        if _kernels.recomputes_for_norms(direction) and not _rules.stacks(direction):
+            # Under XLA the norm of step 3 (trust ratio) computes the
+            # direction again from m, v and w, summed in the pass that reads
+            # them, instead of writing it out and reading it back
+            # (docs/guides/benchmarks.md); a small direction is copied into
+            # its shape's stack for the norm anyway.
+            for_norm = _recomputed(slots, variable, epsilon, shift, factor, self)
         # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
         # w <- w - T * scale * direction.
         self._take_step(index, variable, scale, direction, learning_rate, for_norm)
+
+    def _adam_scalars(self, dtype, learning_rate):
+        """`(scale, epsilon, shift)` of step 1 (inner step) in `dtype` (shift
+        None without `eps_root`), computed in float32 (float64 for float64
+        variables): in bfloat16 `b2**t` rounds to 1 and the scale to 0."""
+        adam = self.inner_optimizer
+        scalar = _rules.compute_dtype(dtype)
+
+        def compute():
+            step = ops.cast(adam.iterations + 1, scalar)
+            power = lambda beta: ops.power(ops.convert_to_tensor(beta, scalar), step)  # noqa: E731
+            root_2 = ops.sqrt(1 - power(adam.beta_2))
+            scale = ops.cast(learning_rate, scalar) / (1 - power(adam.beta_1)) * root_2
+            epsilon = ops.convert_to_tensor(adam.epsilon, scalar) * root_2
+            shift = None
+            if adam.eps_root != 0.0:
+                eps_root = ops.convert_to_tensor(adam.eps_root, scalar)
+                shift = ops.cast(eps_root * ops.square(root_2), dtype)
+            return ops.cast(scale, dtype), ops.cast(epsilon, dtype), shift
+
+        return self._once_per_step(("adam", str(dtype), id(learning_rate)), compute)
+
+    def _step_each_variable(self, grads, variables, learning_rate):
+        # LAMB's own `update_step` for each variable, through Keras's loop
+        # (on TensorFlow: the cross-replica sum and each variable's update
+        # context under tf.distribute).
+        _internals.keras_update_step(self)(grads, variables, learning_rate)
 
     @property
     def beta_1(self):

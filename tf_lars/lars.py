@@ -1,11 +1,8 @@
 """Layer-wise Adaptive Rate Scaling (LARS) for Keras 3, on every backend.
 
-The update rule is docs/algorithms.md, section "LARS"; `LARS._trust_ratios`
-(step 2 (trust ratio)) and `LARS._update` (steps 1, 3 and 4 (decay in the
-gradient, local rate, momentum)) carry its numbers, in `keras.ops`. On the
-TensorFlow backend the norms and the momentum step run as TensorFlow kernels
-of the same signature, and sparse gradients take step 5 (sparse gradients)
-in `tf_lars/_tf_fast.py`.
+The rule is docs/algorithms.md, section "LARS": `LARS._trust_ratios` takes
+step 2 (trust ratio) of every variable, then `LARS._update` steps 1, 3 and
+4 (decay in the gradient, local rate, momentum) of each, in `keras.ops`.
 """
 
 import types
@@ -24,8 +21,8 @@ from tf_lars._validation import (
     check_bool,
     check_choice,
     check_config_keys,
+    check_learning_rate,
     check_number,
-    is_real,
 )
 
 __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
@@ -36,16 +33,11 @@ _Apply = _kernels.Apply
 def _decayed(gradient, variable, decay, dtype):
     """`g + wd w` for the norm of step 2 (trust ratio), as a function computing it.
 
-    Written `g - (-wd) w` (the same float values) from `g`, `w` and `-wd`
-    taken `_rules.apart`, so that no term of it is the `g + wd w` of
-    step 4 (momentum). XLA then computes it inside the norm's pass over `g`
-    and `w` (and again in the range check's branch, `_rules.norms`, when
-    that runs) instead of writing it to a buffer as large as the variable
-    and reading it back (the decayed rows of docs/guides/benchmarks.md and
-    docs/guides/backends.md). The negation is what TensorFlow needs (it has
-    no barrier op); the barrier keeps JAX's XLA from ever merging the two.
-    `-wd` passes the barrier too: as a constant, JAX's XLA wrote its
-    broadcast out as large as `w` for the norm to read.
+    Written `g - (-wd) w` (the same values) from `g`, `w` and `-wd` taken
+    `_rules.apart`, so that XLA shares no term with the `g + wd w` of
+    step 4 (momentum) and computes it inside the norm's pass instead of
+    writing it out as large as the variable (docs/guides/backends.md, "What
+    the JAX step costs"; TensorFlow has no barrier op, hence the negation).
     """
     gradient, variable, negated = _rules.apart(
         [gradient, variable, ops.convert_to_tensor(-decay, dtype)]
@@ -183,16 +175,8 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         name=None,
         **kwargs,
     ):
-        if is_real(learning_rate):
-            learning_rate = check_number("learning_rate", learning_rate, low=0.0)
-        elif not callable(learning_rate):  # schedules are callable too
-            raise ValueError(
-                "`learning_rate` must be a non-negative finite float, a "
-                "`keras.optimizers.schedules.LearningRateSchedule` or a "
-                f"callable. Received: learning_rate={learning_rate!r}"
-            )
         super().__init__(
-            learning_rate=learning_rate,
+            learning_rate=check_learning_rate(learning_rate),
             weight_decay=None,  # LARS's decay is coupled: see `_update`.
             clipnorm=clipnorm,
             clipvalue=clipvalue,
@@ -253,15 +237,10 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
 
     # ------------------------------------------------------- the update rule
     def _trust_ratios(self, grads, variables):
-        """Step 2 (trust ratio) for every dense gradient at once.
-
-        The norms of all adapted variables of one compute dtype come from
-        one `norms` call, and their ratios from one `trust_ratio` call.
-        Returns each variable's ratio (`None`: sparse) and all of them as one
-        float32 vector (1 where sparse or excluded), what `trust_ratios`
-        records: built from the vectors, so a compiler sees no per-variable
-        scalar gathered back into a vector.
-        """
+        """Step 2 (trust ratio) for every dense gradient at once: one `norms`
+        and one `trust_ratio` call per compute dtype. Returns each variable's
+        ratio (`None`: sparse) and the float32 vector `trust_ratios` records
+        (1 where sparse or excluded), built from the ratio vectors."""
         indices = [_internals.variable_index(self, v) for v in variables]
         ratios = [None] * len(variables)
         recorded = ops.ones([len(variables)], "float32")

@@ -1,11 +1,10 @@
 """A layer-wise trust ratio around any Keras optimizer.
 
-The rule is docs/algorithms.md, section "TrustRatio and LAMB"; the steps of
-`TrustRatio.update_step` carry its numbers. `tf_lars.LAMB` is this wrapper
-around Adam.
+The rule is docs/algorithms.md, section "TrustRatio and LAMB", step by step
+in `TrustRatio.update_step`; the inner optimizer's own step is read through
+`_internals.captured_step`. `tf_lars.LAMB` is a TrustRatio whose
+`update_step` computes Adam's direction itself.
 """
-
-import contextlib
 
 import keras
 from keras import ops
@@ -16,7 +15,7 @@ from tf_lars._validation import (
     ShapeCheckedApply,
     check_bool,
     check_config_keys,
-    check_inner_learning_rate,
+    check_inner_optimizer,
     check_number,
 )
 from tf_lars._wrapper import InnerOptimizerWrapper
@@ -25,79 +24,6 @@ __all__ = ["TrustRatio"]
 
 _Apply = _kernels.Apply
 
-# Base-class arguments that belong to the wrapper: set on the inner optimizer
-# they would act on the direction alone (or, for `weight_decay`, outside the
-# ratio), so they are refused there.
-_OUTER_ARGUMENTS = (
-    "weight_decay",
-    "clipnorm",
-    "clipvalue",
-    "global_clipnorm",
-    "loss_scale_factor",
-    "gradient_accumulation_steps",
-)
-
-
-def _check_inner_optimizer(inner_optimizer):
-    # tf_lars's own refusals carry a marker (`takes_no_trust_ratio`: LARS,
-    # AGN, TrustRatio, LAMB, the loss scale); Keras's loss scale wraps a whole
-    # optimizer, and Keras's own `Lamb` already applies a trust ratio: a
-    # second one on top of it is no published rule (`tf_lars.LAMB` is the
-    # wrapped Adam).
-    refused = (keras.optimizers.LossScaleOptimizer,)
-    refused += (keras.optimizers.Lamb,) if hasattr(keras.optimizers, "Lamb") else ()
-
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise ValueError(
-            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
-            f"Received: inner_optimizer={inner_optimizer!r}"
-        )
-    if isinstance(inner_optimizer, refused) or getattr(
-        inner_optimizer, "takes_no_trust_ratio", False
-    ):
-        raise ValueError(
-            "`inner_optimizer` must be a plain Keras optimizer (SGD, Adam, "
-            "AdamW, Lion, ...), not a loss-scale, AGN, LARS, TrustRatio or "
-            "Lamb optimizer (Keras's `Lamb` has its own trust ratio; use "
-            "`tf_lars.LAMB`, or wrap the TrustRatio in the others). "
-            f"Received: inner_optimizer={inner_optimizer!r}"
-        )
-    for argument in _OUTER_ARGUMENTS:
-        value = getattr(inner_optimizer, argument, None)
-        if value not in (None, 0, 0.0):
-            raise ValueError(
-                f"`inner_optimizer.{argument}` must be unset: set `{argument}` "
-                "on the TrustRatio (its weight decay sits inside the ratio). "
-                f"Received: inner_optimizer.{argument}={value!r}"
-            )
-    base = keras.optimizers.Optimizer
-    own_class = type(inner_optimizer)
-    if own_class.update_step is base.update_step or own_class.apply is not base.apply:
-        # The wrapper takes the step one variable at a time, through the
-        # inner optimizer's `update_step`; one that steps only in its own
-        # `apply` (MultiOptimizer hands variables to other optimizers) has
-        # no step to rescale.
-        raise ValueError(
-            "`inner_optimizer` must take its step in its own `update_step`, "
-            f"one variable at a time; {own_class.__name__} steps only in its "
-            "own `apply` and cannot be wrapped. "
-            f"Received: inner_optimizer={inner_optimizer!r}"
-        )
-    check_inner_learning_rate(inner_optimizer)
-    if getattr(inner_optimizer, "use_ema", False):
-        raise ValueError(
-            "`inner_optimizer.use_ema` must be False: set `use_ema` on the "
-            "TrustRatio. Received: inner_optimizer.use_ema=True"
-        )
-
-
-def _same_variable(a, b):
-    if a is b or keras.backend.backend() != "tensorflow":
-        return a is b
-    # TensorFlow hands `update_step` the backing `tf.Variable` of a Keras one.
-    unwrap = lambda x: x.value if isinstance(x, keras.Variable) else x  # noqa: E731
-    return unwrap(a) is unwrap(b)
-
 
 def _cast(tensor, dtype):
     """`tensor` cast to `dtype`; a function returning it (see `_rules.norms`)
@@ -105,54 +31,6 @@ def _cast(tensor, dtype):
     if callable(tensor):
         return lambda: ops.cast(tensor(), dtype)
     return ops.cast(tensor, dtype)
-
-
-@contextlib.contextmanager
-def _captured_step(optimizer, variable):
-    """Runs the inner optimizer's writes to `variable` into a list instead.
-
-    Keras optimizers write every variable through `self.assign`,
-    `self.assign_add` and `self.assign_sub` (the contract tf_lars's tests
-    hold every optimizer to); for the duration of the block, those three
-    methods of `optimizer` record the writes aimed at `variable` as
-    `(kind, value)` and pass every other write (the slots) through. The
-    overrides are instance attributes, removed on exit.
-    """
-    writes = []
-
-    def redirect(kind):
-        original = getattr(optimizer, kind)
-
-        def write(target, value):
-            if _same_variable(target, variable):
-                writes.append((kind, value))
-                return None
-            return original(target, value)
-
-        return write
-
-    kinds = ("assign", "assign_add", "assign_sub")
-    for kind in kinds:
-        optimizer.__dict__[kind] = redirect(kind)
-    try:
-        yield writes
-    finally:
-        for kind in kinds:
-            optimizer.__dict__.pop(kind, None)
-
-
-def _step_of(writes, variable):
-    """The inner step `s` (`w_new = w - s`) from the captured writes."""
-    step = None
-    for kind, value in writes:
-        value = ops.cast(value, variable.dtype)
-        if kind == "assign_sub":
-            step = value if step is None else step + value
-        elif kind == "assign_add":
-            step = -value if step is None else step - value
-        else:  # a full assign: w_new = value
-            step = ops.convert_to_tensor(variable) - value
-    return step
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -252,7 +130,7 @@ class TrustRatio(
         name=None,
         **kwargs,
     ):
-        _check_inner_optimizer(inner_optimizer)
+        check_inner_optimizer(inner_optimizer)
         super().__init__(
             learning_rate=0.0,  # unused: the inner optimizer's rate applies
             weight_decay=None,  # the wrapper's decay sits inside the ratio
@@ -316,56 +194,70 @@ class TrustRatio(
         return
 
     # ------------------------------------------------------- the update rule
+    def update_step(self, gradient, variable, learning_rate):
+        """Steps 1 to 6 (inner step, decay, trust ratio, clip, update, sparse
+        gradients) for one variable, around the inner `update_step`."""
+        if _kernels.is_sparse(gradient):
+            # Step 6 (sparse gradients): the inner optimizer's own update, on
+            # the gradient with repeated rows summed.
+            inner = self.inner_optimizer
+            gradient = _kernels.summed_rows(gradient)
+            type(inner).update_step(inner, gradient, variable, learning_rate)
+            return
+        index = _internals.variable_index(self, variable)
+        decay = self._variable_weight_decay[index]
+        dtype = variable.dtype
+        # Step 1 (inner step): the inner optimizer's step s (w_new = w - s),
+        # its slots updated as alone; lr d = s, kept as scale 1 times s.
+        step = _internals.captured_step(
+            self.inner_optimizer, gradient, variable, learning_rate
+        )
+        key = ("unit", keras.backend.standardize_dtype(dtype))
+        scale = self._once_per_step(key, lambda: ops.ones((), dtype))
+        # Step 2 (decay): lr u = s + lr wd w.
+        if decay != 0.0:
+            factor = _rules.decay_factor(scale, learning_rate, decay)
+            step = step + factor * ops.convert_to_tensor(variable)
+        # Steps 3 to 5 (trust ratio, clip, update).
+        self._take_step(index, variable, scale, step, learning_rate)
+
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        # The inner optimizer's own `_backend_update_step` runs the step, so
-        # the per-step state it advances there (Nadam's `_u_product`) moves
-        # as it would alone; for each variable it calls `update_step`, which
-        # is this wrapper's for the duration.
         # Where a compiler sees the whole step, `_take_step` defers steps 3
         # to 5 (trust ratio, clip, update) to one `_take_steps` over every
-        # variable (kept in `__dict__`, out of Keras's and TensorFlow's
-        # tracking).
-        inner = self.inner_optimizer
-        inner.__dict__["update_step"] = self.update_step
+        # variable, and `_once_per_step` computes the per-step scalars once
+        # (both kept in `__dict__`, out of Keras's and TensorFlow's tracking).
         if _kernels.batches_trust_ratios(grads):
-            self.__dict__["_deferred_steps"] = []
-            # Per-step scalars computed once (`LambAdam._once_per_step`,
-            # `_unit_scale`).
-            inner.__dict__["_step_scalars"] = {}
+            self.__dict__.update(_deferred_steps=[], _step_scalars={})
         try:
-            _internals.per_variable_update_step(inner)(
-                grads, trainable_variables, learning_rate
-            )
+            self._step_each_variable(grads, trainable_variables, learning_rate)
             deferred = self.__dict__.pop("_deferred_steps", None)
             if deferred:
                 self._take_steps(deferred)
         finally:
-            inner.__dict__.pop("update_step", None)
-            inner.__dict__.pop("_step_scalars", None)
             self.__dict__.pop("_deferred_steps", None)
+            self.__dict__.pop("_step_scalars", None)
         # The inner optimizer's own step count (Adam's bias correction).
+        inner = self.inner_optimizer
         self.assign_add(inner.iterations, ops.ones((), inner.iterations.dtype))
 
-    def _inner_update_step(self, gradient, variable, learning_rate):
-        """The inner optimizer's own `update_step` (its class's, never ours)."""
-        inner = self.inner_optimizer
-        type(inner).update_step(inner, gradient, variable, learning_rate)
-
-    def update_step(self, gradient, variable, learning_rate):
-        """Steps 1-6 (inner step, decay, trust ratio, clip, update, sparse
-        gradients) for one variable (docs/algorithms.md)."""
-        if _kernels.is_sparse(gradient):
-            # Step 6 (sparse gradients): the inner optimizer's own update, on
-            # the gradient with repeated rows summed.
-            gradient = _kernels.summed_rows(gradient)
-            self._inner_update_step(gradient, variable, learning_rate)
-            return
-        index = _internals.variable_index(self, variable)
-        # Steps 1 and 2 (inner step, decay): lr * u = scale * direction.
-        scale, direction = self._inner_step(
-            gradient, variable, learning_rate, self._variable_weight_decay[index]
+    def _step_each_variable(self, grads, variables, learning_rate):
+        # The inner optimizer's own step, calling this `update_step` for
+        # each variable (`_internals.step_each_variable`).
+        _internals.step_each_variable(
+            self.inner_optimizer, self.update_step, grads, variables, learning_rate
         )
-        self._take_step(index, variable, scale, direction, learning_rate)
+
+    def _once_per_step(self, key, compute):
+        """`compute()`, or its value from earlier in this step: where a
+        compiler sees the whole step, scalars shared by every variable of a
+        dtype are computed once, not once per variable (compile time and
+        program size; docs/guides/benchmarks.md, "Compile time")."""
+        memo = self.__dict__.get("_step_scalars")
+        if memo is None:
+            return compute()
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
 
     def _take_step(
         self, index, variable, scale, direction, learning_rate, for_norm=None
@@ -373,7 +265,7 @@ class TrustRatio(
         """Steps 3 to 5 (trust ratio, clip, update): `w <- w - T * scale * d`.
 
         `for_norm`: the direction for the norm, or a function computing it
-        (`tf_lars.lamb.lamb_direction`); defaults to `direction`.
+        (LAMB's under XLA); defaults to `direction`.
         """
         if self._variable_adapted[index]:
             for_norm = direction if for_norm is None else for_norm
@@ -404,11 +296,9 @@ class TrustRatio(
     def _write_steps(self, variables, scales, directions, ratios):
         """Step 5 (update) of one dtype's variables: `w <- w - T * scale * d`.
 
-        A method of its own: under `torch.compile` the range check's branch
-        in `norms` breaks the graph inside `_take_steps`'s loop, so Dynamo
-        runs that loop eagerly; this frame it compiles whole, once for the
-        list of variables, instead of each write once per variable shape
-        (past its recompile limit).
+        A method of its own: `torch.compile` breaks its graph at the range
+        check in `norms`, and compiles this frame once for the list of
+        variables instead of each write once per shape (its recompile limit).
         """
         for variable, scale, direction, ratio in zip(
             variables,
@@ -419,53 +309,6 @@ class TrustRatio(
         ):
             scale = ops.cast(ratio, variable.dtype) * scale
             _kernels.scaled_step(self, variable, scale, direction)
-
-    def _inner_step(self, gradient, variable, learning_rate, decay):
-        """Steps 1 and 2 (inner step, decay): `lr * u` as `(scale, direction)`.
-
-        The inner optimizer runs its own `update_step`; its write to
-        `variable` is captured (`s = w - w_new`) and taken with scale 1;
-        then the decay is added.
-        """
-        with _captured_step(self.inner_optimizer, variable) as writes:
-            self._inner_update_step(gradient, variable, learning_rate)
-        step = _step_of(writes, variable)
-        if step is None:
-            step = ops.zeros(variable.shape, variable.dtype)
-        scale = self._unit_scale(variable.dtype)
-        return scale, self._with_decay(step, scale, variable, learning_rate, decay)
-
-    def _unit_scale(self, dtype):
-        """A scale of 1 in `dtype`: one per dtype and step where the step's
-        scalars are shared (`_backend_update_step` opens `_step_scalars`, as
-        for `LambAdam._once_per_step`), so `_step_trust_ratios` sees one
-        scale."""
-        memo = self.inner_optimizer.__dict__.get("_step_scalars")
-        if memo is None:
-            return ops.ones((), dtype)
-        key = ("unit", keras.backend.standardize_dtype(dtype))
-        if key not in memo:
-            memo[key] = ops.ones((), dtype)
-        return memo[key]
-
-    @staticmethod
-    def _decay_factor(scale, learning_rate, decay):
-        """`lr * wd / scale` (0 where scale is 0: then nothing moves anyway)."""
-        dtype = scale.dtype
-        divisor = ops.where(ops.equal(scale, 0), ops.ones_like(scale), scale)
-        return (
-            ops.cast(learning_rate, dtype)
-            * ops.convert_to_tensor(decay, dtype)
-            / divisor
-        )
-
-    def _with_decay(self, direction, scale, variable, learning_rate, decay):
-        """Step 2 (decay): u = d + wd * w, kept as lr * u = scale * (direction +
-        (lr * wd / scale) * w)."""
-        if decay == 0.0:
-            return direction
-        factor = self._decay_factor(scale, learning_rate, decay)
-        return direction + factor * ops.convert_to_tensor(variable)
 
     def _step_trust_ratios(self, variables, directions, scales, learning_rate):
         """Step 3 (trust ratio) for variables of one compute dtype, as one
@@ -498,12 +341,8 @@ class TrustRatio(
         return ratio
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """Keras's `stateless_apply` (what the JAX trainer calls).
-
-        Every write of the wrapper and of the inner optimizer goes through
-        `assign*`, so Keras's stateless scope records it. The TensorFlow
-        backend refuses it, as for every Keras optimizer there.
-        """
+        """Keras's `stateless_apply` (what the JAX trainer calls); refused on
+        TensorFlow, as for every Keras optimizer there."""
         if keras.backend.backend() == "tensorflow":
             return super().stateless_apply(
                 optimizer_variables, grads, trainable_variables
