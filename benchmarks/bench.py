@@ -133,7 +133,7 @@ def _compiled_steps(contenders, shapes):
 # (`tf_lars._rules.norms`) in place of TensorFlow's folded ones.
 REFERENCE_NORMS = ", reduce_sum norms"
 # "<name>, direction stored for its norm": a LAMB row whose norm under XLA
-# reads the stored direction (`tf_lars.lamb.lamb_direction` says why it
+# reads the stored direction (`tf_lars.LAMB.update_step` says why it
 # does not).
 STORED_DIRECTION = ", direction stored for its norm"
 

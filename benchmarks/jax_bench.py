@@ -15,7 +15,7 @@ row's baseline, in `benchmarks/bench.py`'s table:
 - tf_lars.LAMB vs `optax.lamb`, both with weight decay 0.01, and without
   weight decay vs Keras `Lamb` (which has none in its rule), baseline Keras
   `Adam`; and tf_lars.LAMB with its norm reading the stored direction (as
-  outside `jit`), to show what `tf_lars.lamb.lamb_direction`'s
+  outside `jit`), to show what `tf_lars.LAMB.update_step`'s
   recomputation saves.
 
 Keras optimizers run as the JAX trainer runs them: `stateless_apply` under
@@ -167,7 +167,7 @@ def lamb_steps(shapes):
     """The LAMB rows' steps, baseline first (see the module docstring)."""
     stored = tf_lars.LAMB(1e-3, weight_decay=0.01)
     # The norm reads the stored direction, as outside `jit` (the row shows
-    # what `lamb_direction`'s recomputation saves).
+    # what LAMB's recomputation for its norm saves).
     bench.with_kernel(stored, "recomputes_for_norms", lambda direction: False)
     return {
         "keras Adam": _keras_step(keras.optimizers.Adam(1e-3), shapes),

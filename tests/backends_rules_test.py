@@ -281,7 +281,7 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
     assert "optimization_barrier" not in lars_step(0.0)
     # LAMB's recomputed direction reads its scalars through the barrier; a
     # small direction is stacked for its norm and read as stored
-    # (`lamb_direction`), so it has nothing to keep apart.
+    # (`LAMB.update_step`), so it has nothing to keep apart.
     assert "optimization_barrier" in traced_step(tf_lars.LAMB(0.1), (64, 128))
     assert "optimization_barrier" not in traced_step(tf_lars.LAMB(0.1), (4, 3))
 
@@ -291,7 +291,7 @@ if BACKEND == "jax":
     @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
     def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
         # Under jax.jit LAMB's norm computes the direction again from m, v and
-        # w (`lamb_direction`'s `for_norm`, also inside the range check's branch
+        # w (`LAMB.update_step`'s `for_norm`, also inside the range check's branch
         # at the extreme scales); eagerly it reads the stored direction. Both
         # give the reference's steps and the same ratios.
         start = lars_ref.extreme_values(scale)
@@ -691,7 +691,7 @@ if BACKEND == "tensorflow":
     @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
     def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
         # Under XLA, LAMB's norm computes the direction again from m, v and
-        # w (`lamb_direction`'s `for_norm`, also inside the rescaling branch
+        # w (`LAMB.update_step`'s `for_norm`, also inside the rescaling branch
         # at the extreme scales): the same steps and ratios as a LAMB whose
         # norm reads the stored direction, and as the reference.
         # (64, 128) folds under XLA; norms <= scale, so they are representable.

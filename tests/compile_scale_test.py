@@ -107,7 +107,7 @@ def test_no_concatenation_grows_past_a_stack_of_rows(name):
 
 def test_a_captured_step_takes_one_unit_scale_for_all_variables():
     # TrustRatio around a Keras optimizer takes each captured step with a
-    # scale of 1; one per dtype and step (`TrustRatio._unit_scale`), so the
+    # scale of 1; one per dtype and step (`TrustRatio._once_per_step`), so the
     # ratios take a scalar, not a stack of one 1 per variable.
     import keras
     import tensorflow as tf

@@ -65,21 +65,12 @@ def recomputes_for_norms(tensor):
 
 def batches_trust_ratios(gradients):
     """Whether `TrustRatio` takes steps 3 to 5 (trust ratio, clip, update)
-    of every variable at once: where a compiler sees the whole step (`jax.jit`,
-    `torch.compile`; TensorFlow: XLA outside `tf.distribute`), one `norms`
-    call and one record then serve every variable (compile time and program
-    size). Op by op, each direction is freed after its own step instead.
-    """
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return bool(gradients) and isinstance(gradients[0], jax.core.Tracer)
-    if backend == "torch":
-        import torch
-
-        return torch.compiler.is_compiling()
-    return False
+    of every variable a step updates at once: one `norms` call (one range
+    check) and one record per step, on every backend; the TensorFlow
+    backend's `tf.distribute` steps each variable in its own update context
+    (`tf_lars._tf_fast.batches_trust_ratios`)."""
+    del gradients
+    return True
 
 
 def apart(tensors):

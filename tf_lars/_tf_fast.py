@@ -78,10 +78,10 @@ def recomputes_for_norms(tensor):
 
 
 def batches_trust_ratios(gradients):
-    """`tf_lars._rules.batches_trust_ratios`: under XLA, outside
-    `tf.distribute` (a strategy steps each variable in its own context)."""
-    del gradients  # the XLA context decides
-    return _internals.in_xla_context() and not tf.distribute.has_strategy()
+    """`tf_lars._rules.batches_trust_ratios`, outside `tf.distribute` (a
+    strategy steps each variable in its own update context)."""
+    del gradients
+    return not tf.distribute.has_strategy()
 
 
 # Eager int32 scalars 0, 1, 2, ... (`entries`), made once per process.
