@@ -250,7 +250,7 @@ def test_norms_keep_their_range(which, scale):
         np.testing.assert_allclose(value, expected, rtol=2e-5)
 
 
-def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
+def test_apart_keeps_the_values_and_on_jax_is_a_barrier(monkeypatch):
     a = ops.convert_to_tensor([1.0, -2.0])
     b = ops.convert_to_tensor([[3.0]])
     got = _rules.apart([a, b])
@@ -279,9 +279,10 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier():
 
     assert "optimization_barrier" in lars_step(0.01)
     assert "optimization_barrier" not in lars_step(0.0)
-    # LAMB's recomputed direction reads its scalars through the barrier; a
-    # small direction is stacked for its norm and read as stored
-    # (`LAMB.update_step`), so it has nothing to keep apart.
+    # LAMB's recomputed direction (sized as a large model) reads its scalars
+    # through the barrier; a small direction is stacked for its norm and read
+    # as stored (`LAMB.update_step`), so it has nothing to keep apart.
+    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
     assert "optimization_barrier" in traced_step(tf_lars.LAMB(0.1), (64, 128))
     assert "optimization_barrier" not in traced_step(tf_lars.LAMB(0.1), (4, 3))
 
@@ -293,7 +294,9 @@ if BACKEND == "jax":
         # Under jax.jit LAMB's norm computes the direction again from m, v and
         # w (`LAMB.update_step`'s `for_norm`, also inside the range check's branch
         # at the extreme scales); eagerly it reads the stored direction. Both
-        # give the reference's steps and the same ratios.
+        # give the reference's steps and the same ratios (sized as a large
+        # model, where it recomputes).
+        monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
         start = lars_ref.extreme_values(scale)
         grads = [lars_ref.extreme_values(1.0, seed=1 + i) for i in range(STEPS)]
         results, asked = [], {}
@@ -355,13 +358,15 @@ if BACKEND in ("jax", "tensorflow"):
         ],
         ids=["sgd", "lars", "lars_decayed", "lamb", "lamb_no_decay"],
     )
-    def test_compiled_step_writes_no_variable_sized_temporary(make):
+    def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
         # XLA's optimized program of the compiled step writes nothing as large
         # as a variable except the new weights and slots: no broadcast of a
         # scalar (LARS's decay, LAMB's epsilon and decay factor), no stored
         # direction, no `g + wd w` (docs/guides/backends.md, "What the JAX step
         # costs"). Two variables of one shape, as in a model, where XLA would
-        # share a broadcast between them.
+        # share a broadcast between them; LAMB sized as a large model (it
+        # stores its direction in small ones: the test below).
+        monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
         hlo_traffic = benchmark_scripts.load("hlo_traffic")
         optimizer = make()
         variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
@@ -372,6 +377,22 @@ if BACKEND in ("jax", "tensorflow"):
         # And it does write every weight and slot (the count sees them).
         slots = sum(1 for v in optimizer.variables if tuple(v.shape) == (256, 64))
         assert hlo_traffic.traffic(text).written >= size * (len(variables) + slots)
+
+    @pytest.mark.parametrize("rows", [1024, 4096])
+    def test_lamb_recomputes_its_direction_only_in_large_models(rows):
+        # Under XLA LAMB's norm computes the direction again only in models of
+        # at least `_rules.RECOMPUTED_FROM` parameters; in a smaller one it stores
+        # the direction (a temporary as large as the variable), which measured
+        # faster while the tensors stay in the CPU's caches.
+        hlo_traffic = benchmark_scripts.load("hlo_traffic")
+        optimizer = tf_lars.LAMB(0.1, weight_decay=0.01)
+        variables = [keras.Variable(np.full((rows, 1024), 0.01, "float32"))]
+        grads = [ops.full((rows, 1024), 1e-3)]
+        text = _compiled_step_hlo(optimizer, variables, grads)
+        large = rows * 1024 >= _rules.RECOMPUTED_FROM
+        assert large == (rows == 4096)
+        stored = hlo_traffic.temporaries(text, at_least=rows * 1024 * 4)
+        assert (stored == []) == large, stored
 
 
 def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
@@ -693,7 +714,9 @@ if BACKEND == "tensorflow":
         # Under XLA, LAMB's norm computes the direction again from m, v and
         # w (`LAMB.update_step`'s `for_norm`, also inside the rescaling branch
         # at the extreme scales): the same steps and ratios as a LAMB whose
-        # norm reads the stored direction, and as the reference.
+        # norm reads the stored direction, and as the reference (sized as a
+        # large model, where it recomputes).
+        monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
         # (64, 128) folds under XLA; norms <= scale, so they are representable.
         start = lars_ref.extreme_values(scale)
         grads = [

@@ -34,6 +34,11 @@ def is_sparse(gradient):
 #: docs/guides/benchmarks.md, "Compile time", has the measured sizes).
 STACKED_BELOW = 4096
 STACKED_ROWS = 128
+#: LAMB's norm computes its direction again under XLA (`recomputes_for_norms`)
+#: only for models of at least this many parameters: below, the tensors stay
+#: in the CPU's caches and computing the direction twice costs more than
+#: storing it (docs/guides/backends.md, "LAMB's jitted step").
+RECOMPUTED_FROM = 2**22
 
 
 def sum_of_squares(tensor):

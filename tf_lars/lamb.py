@@ -8,6 +8,8 @@ corrections, the direction, the decay, the trust ratio and the write);
 step updates together where a compiler sees the step.
 """
 
+import math
+
 import keras
 from keras import ops
 
@@ -203,16 +205,29 @@ class LAMB(TrustRatio):
             self.assign_sub(variable, scale * direction)
             return
         for_norm = direction
-        if _kernels.recomputes_for_norms(direction) and not _rules.stacks(direction):
+        if (
+            self._recomputes
+            and _kernels.recomputes_for_norms(direction)
+            and not _rules.stacks(direction)
+        ):
             # Under XLA the norm of step 3 (trust ratio) computes the
             # direction again from m, v and w, summed in the pass that reads
             # them, instead of writing it out and reading it back
-            # (docs/guides/benchmarks.md); a small direction is copied into
-            # its shape's stack for the norm anyway.
+            # (docs/guides/benchmarks.md): for models of at least
+            # `_rules.RECOMPUTED_FROM` parameters; a small direction is copied
+            # into its shape's stack for the norm anyway.
             for_norm = _recomputed(slots, variable, epsilon, shift, factor, self)
         # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
         # w <- w - T * scale * direction.
         self._take_step(index, variable, scale, direction, learning_rate, for_norm)
+
+    def build(self, variables):
+        """Builds Adam's slots; sizes the model for step 3 (trust ratio)."""
+        if self.built:
+            return
+        super().build(variables)
+        size = sum(math.prod(variable.shape) for variable in variables)
+        self._recomputes = size >= _rules.RECOMPUTED_FROM
 
     def _adam_scalars(self, dtype, learning_rate):
         """`(scale, epsilon, shift)` of step 1 (inner step) in `dtype` (shift
