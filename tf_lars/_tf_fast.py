@@ -306,24 +306,17 @@ class _FunctionCache(dict):
 
 
 class CompiledApply:
-    """Mixin: an eager `apply` runs as one XLA-compiled function.
-
-    Put it before `keras.optimizers.Optimizer` in the bases. The optimizer's
-    `jit_compile` attribute (default True) switches it; it never applies
-    inside `tf.function`, under a multi-replica strategy, or with a plain
-    Python callable learning rate (a compiled step would freeze the value the
-    callable returned when the step was traced).
-    """
+    """Mixin (before `keras.optimizers.Optimizer`): an eager `apply` runs as
+    one XLA-compiled function, switched by `jit_compile` (default True); not
+    inside `tf.function`, under several replicas, or with a plain callable
+    learning rate (a compiled step would freeze the value it returned)."""
 
     def _init_compiled_apply(self):
         self.jit_compile = True
         self._compiled_apply = _FunctionCache()
 
     def apply(self, grads, trainable_variables=None):
-        """Applies gradients; eagerly, as one compiled function.
-
-        Same contract as `keras.optimizers.Optimizer.apply`.
-        """
+        """`keras.optimizers.Optimizer.apply`, eagerly as one compiled function."""
         if not self._should_compile_apply():
             return super().apply(grads, trainable_variables)
         grads = [gradient_as_tensor(g) for g in grads]

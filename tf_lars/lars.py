@@ -206,12 +206,7 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         self._init_compiled_apply()
 
     def build(self, variables):
-        """Creates the momentum slots and resolves per-variable exclusions.
-
-        Args:
-            variables: list of model variables (Keras variables, so that
-                exclusions can match `variable.path`).
-        """
+        """Creates the momentum slots and resolves per-variable exclusions."""
         if self.built:
             return
         super().build(variables)
@@ -223,16 +218,11 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         self._resolve_exclusions(variables)
 
     def _apply_weight_decay(self, variables):
-        # LARS's weight decay is coupled (steps 1 and 2 (decay in the
-        # gradient, trust ratio)); the base class's
-        # decoupled decay must never run on top of it.
+        # Coupled (steps 1 and 2 (decay in the gradient, trust ratio)).
         return
 
     def _get_current_learning_rate(self):
-        # With `gradient_accumulation_steps`, a schedule is evaluated at the
-        # count of updates, as for one big batch (Keras's base class counts
-        # micro-batches); TrustRatio and LAMB get this from their inner
-        # optimizer, which counts updates only.
+        # A schedule at the count of updates, not of micro-batches.
         return _internals.learning_rate_at_update_count(self)
 
     # ------------------------------------------------------- the update rule

@@ -50,10 +50,8 @@ class TrustRatio(
     optax's `scale_by_trust_ratio`). The rule is stated once, in
     docs/algorithms.md, section "TrustRatio and LAMB".
 
-    Norms are of the whole tensor, computed in float32 (float64 for float64
-    variables). Sparse gradients (`tf.IndexedSlices`) take the inner
-    optimizer's own sparse update on the gradient with repeated rows summed
-    (as the dense gradient has them): no ratio, no weight decay.
+    Sparse gradients (`tf.IndexedSlices`) take the inner optimizer's own
+    update, repeated rows summed, without ratio or weight decay.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Computes the direction
@@ -161,9 +159,7 @@ class TrustRatio(
         if self.built:
             return
         super().build(variables)
-        # Inside this optimizer's name scope, as when `apply` builds it: the
-        # inner slots are `<name>/<inner name>/...` however the build is
-        # reached (`fit` under MultiWorkerMirroredStrategy calls `build`).
+        # The inner slots are `<name>/<inner name>/...` however it is reached.
         with keras.name_scope(self.name, caller=self):
             self.inner_optimizer.build(variables)
         self._resolve_exclusions(variables)
