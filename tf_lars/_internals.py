@@ -545,8 +545,8 @@ def captured_step(optimizer, gradient, variable, learning_rate):
     `variable`, its slots updated but `variable` left as it was.
 
     Keras optimizers write every variable through `self.assign`,
-    `self.assign_add` and `self.assign_sub` (tests/internals_test.py checks
-    every Keras optimizer still does); for the call those three methods
+    `self.assign_add` and `self.assign_sub` (tests/backends_rules_test.py
+    checks every Keras optimizer still does); for the call those three methods
     record the writes aimed at `variable` and pass every other write (the
     slots) through. Zeros where the step wrote nothing.
     """

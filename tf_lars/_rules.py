@@ -288,6 +288,12 @@ def decay_factor(scale, learning_rate, decay):
     )
 
 
+def zero_epsilons(optimizer):
+    """Whether LAMB's `epsilon` and `eps_root` are both 0 (`adam_quotient`'s
+    `guarded`)."""
+    return optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
+
+
 def adam_quotient(m, v, epsilon, shift, guarded):
     """`m / (sqrt(v + shift) + epsilon)`; with `guarded`, 0 where that is 0 / 0.
 
@@ -325,8 +331,7 @@ def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor)
     one_minus_2 = ops.convert_to_tensor(1 - optimizer.beta_2, dtype)
     optimizer.assign_add(m, (gradient - m) * one_minus_1)
     optimizer.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
-    guarded = optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
-    direction = adam_quotient(m, v, epsilon, shift, guarded)
+    direction = adam_quotient(m, v, epsilon, shift, zero_epsilons(optimizer))
     if factor is None:
         return direction
     return direction + factor * ops.convert_to_tensor(variable)

@@ -256,7 +256,7 @@ def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor)
         optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
         added = tf.square(summed) * tf.constant(1 - optimizer.beta_2, dtype)
         optimizer.assign_add(v, tf.IndexedSlices(added, rows))
-        guarded = optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
+        guarded = _rules.zero_epsilons(optimizer)
         return _rules.adam_quotient(m, v, epsilon, shift, guarded)
     if (
         shift is not None

@@ -48,7 +48,7 @@ def _recomputed(slots, variable, epsilon, shift, factor, optimizer):
     """
     m, v = (ops.convert_to_tensor(slot) for slot in slots)
     weights = ops.convert_to_tensor(variable)
-    guarded = optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
+    guarded = _rules.zero_epsilons(optimizer)
 
     def for_norm():
         kept = _rules.apart([v, epsilon] + ([] if factor is None else [factor]))
