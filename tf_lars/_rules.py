@@ -30,7 +30,7 @@ def is_sparse(gradient):
 
 
 #: Tensors of fewer elements have their norms summed stacked with the
-#: others of their shape, at most `STACKED_ROWS` in a stack (`norm_groups`;
+#: others of their shape, at most `STACKED_ROWS` in a stack (`_norm_groups`;
 #: docs/guides/benchmarks.md, "Compile time", has the measured sizes).
 STACKED_BELOW = 4096
 STACKED_ROWS = 128

@@ -218,10 +218,11 @@ class TrustRatio(
         self._take_step(index, variable, scale, step, learning_rate)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        # Where a compiler sees the whole step, `_take_step` defers steps 3
-        # to 5 (trust ratio, clip, update) to one `_take_steps` over every
-        # variable, and `_once_per_step` computes the per-step scalars once
-        # (both kept in `__dict__`, out of Keras's and TensorFlow's tracking).
+        # Outside `tf.distribute` (`_kernels.batches_trust_ratios`),
+        # `_take_step` defers steps 3 to 5 (trust ratio, clip, update) to one
+        # `_take_steps` over every variable, and `_once_per_step` computes
+        # the per-step scalars once (both kept in `__dict__`, out of Keras's
+        # and TensorFlow's tracking).
         if _kernels.batches_trust_ratios(grads):
             self.__dict__.update(_deferred_steps=[], _step_scalars={})
         try:
@@ -244,8 +245,8 @@ class TrustRatio(
         )
 
     def _once_per_step(self, key, compute):
-        """`compute()`, or its value from earlier in this step: where a
-        compiler sees the whole step, scalars shared by every variable of a
+        """`compute()`, or its value from earlier in this step: where the
+        step's ratios are batched, scalars shared by every variable of a
         dtype are computed once, not once per variable (compile time and
         program size; docs/guides/benchmarks.md, "Compile time")."""
         memo = self.__dict__.get("_step_scalars")
