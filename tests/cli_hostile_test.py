@@ -349,6 +349,88 @@ def test_sigterm_is_handled_as_ctrl_c_with_status_143(tmp_path):
     )
 
 
+def _signal_self(signum):
+    os.kill(os.getpid(), signum)
+    time.sleep(0.01)  # Python runs the handler at the next bytecode
+
+
+def test_a_signal_while_tensorflow_runs_is_raised_at_the_next_safe_point():
+    """Inside `deferred()` the first signal waits for `raise_pending` (a
+    batch or epoch end) or the block's end; elsewhere it is raised at once.
+    Raised inside TensorFlow's Python code (an iterator being made), it could
+    corrupt the heap: CI saw the SIGTERM test die of SIGSEGV (-11), and a
+    loop of that test aborted in `make_iterator` once in six runs."""
+    from tf_lars.cli.main import Terminated, _signals_handled, deferred, raise_pending
+
+    with _signals_handled() as signals:
+        with pytest.raises(Terminated):
+            with deferred():
+                _signal_self(signal.SIGTERM)
+                _signal_self(signal.SIGTERM)  # a second SIGTERM: counted only
+                assert signals.received == [signal.SIGTERM, signal.SIGTERM]
+                raise_pending()
+        assert signals.terminated
+        raise_pending()  # raised once only
+    with _signals_handled() as signals:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            with deferred():
+                _signal_self(signal.SIGINT)
+                assert signals.received == [signal.SIGINT]
+        assert type(raised.value) is KeyboardInterrupt  # at the block's end
+        with pytest.raises(KeyboardInterrupt):
+            _signal_self(signal.SIGINT)  # a second Ctrl-C: at once
+    with _signals_handled():
+        with pytest.raises(Terminated):
+            _signal_self(signal.SIGTERM)  # outside `deferred()`: at once
+    raise_pending()  # outside `main`: nothing pending, nothing raised
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored():
+    from tf_lars.cli.main import _signals_handled
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _signals_handled() as signals:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            _signal_self(signal.SIGINT)
+            assert signals.received == []
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_in_a_step_ends_training_when_that_step_ends(
+    tmp_path, monkeypatch, run_cli
+):
+    """The signal, sent from inside the fourth batch of the second epoch, is
+    raised as that batch ends: one whole epoch in history.json, 143."""
+    from tf_lars.cli import train
+
+    def signal_in_batch(self, batch, logs=None):
+        if self._epoch == 1 and batch == 3:
+            _signal_self(signal.SIGTERM)
+
+    ended = []
+    monkeypatch.setattr(train._StopOnNonFinite, "on_train_batch_begin", signal_in_batch)
+    monkeypatch.setattr(
+        train._RaiseInterrupts,
+        "on_train_batch_end",
+        lambda self, batch, logs=None: (ended.append(batch), train.raise_pending()),
+    )
+    code, _, err = run_cli(
+        "train", "--set", f"output_dir={tmp_path}", "--set", "run_name=r",
+        "--set", "training.epochs=5", "--set", "model.width=2",
+        "--set", "schedule.name=none", "--set", "training.batch_size=128",
+        "--set", "training.verbose=0",
+    )  # fmt: skip
+    assert code == 143, err
+    assert ended[-1] == 3 and len(ended) > 4
+    folder = tmp_path / "r"
+    assert json.loads((folder / "history.json").read_text())["epoch"] == [1]
+    assert err.startswith("tf-lars train: interrupted (SIGTERM); ")
+
+
 # ------------------------------------------------------- config replay
 @pytest.mark.parametrize("loss_scaled", [False, True])
 def test_a_lamb_runs_config_yaml_replays(loss_scaled, tmp_path, run_cli):

@@ -123,29 +123,99 @@ class Terminated(KeyboardInterrupt):
     signal_name = "SIGTERM"
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """Raises `Terminated` on the first SIGTERM; yields the signals seen.
+class _Signals:
+    """SIGINT and SIGTERM while `main` runs, raised where it is safe.
 
-    Kubernetes and Slurm send SIGTERM to preempt a job (SIGKILL follows);
-    later ones are counted but not raised, so the first one's handling (the
-    INTERRUPTED note) is not cut short.
+    Python raises a signal's exception between any two bytecodes. One raised
+    inside TensorFlow's own Python code (a dataset iterator being made or
+    deleted at an epoch's start) can leave its C++ state half built, and the
+    process then dies of heap corruption instead of exiting 130 or 143. So
+    inside `deferred()` (training and evaluation) the first signal is only
+    recorded, and raised at the next safe point: a Keras batch or epoch end
+    (`raise_pending`, from a callback) or the end of the block. Elsewhere it
+    is raised at once. A second Ctrl-C is raised at once everywhere (a way
+    out of a step that does not end); later SIGTERMs are counted and not
+    raised, so the first one's handling (the INTERRUPTED note) is not cut
+    short: Kubernetes and Slurm send SIGTERM to preempt a job, SIGKILL after.
     """
-    received = []
 
-    def terminate(signum, frame):
-        received.append(signum)
-        if len(received) == 1:
-            raise Terminated()
+    def __init__(self):
+        self.received = []
+        self.deferring = 0
+        self.raised = False
 
-    if threading.current_thread() is not threading.main_thread():
-        yield received  # signal handlers can be set in the main thread only
+    def handle(self, signum, frame):
+        self.received.append(signum)
+        if len(self.received) == 1:
+            if not self.deferring:
+                self.raise_pending()
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt()
+
+    def raise_pending(self):
+        if self.received and not self.raised:
+            self.raised = True
+            raise Terminated() if self.terminated else KeyboardInterrupt()
+
+    @property
+    def terminated(self):
+        return bool(self.received) and self.received[0] == signal.SIGTERM
+
+
+_SIGNALS = None  # the `_Signals` of the `main` running in the main thread
+
+
+def raise_pending():
+    """Raises the interrupt a signal left pending inside `deferred()`, if any.
+
+    Called from a Keras callback at every batch and epoch end: a point where
+    TensorFlow holds no half-built state. A no-op outside `main`.
+    """
+    if _SIGNALS is not None:
+        _SIGNALS.raise_pending()
+
+
+@contextlib.contextmanager
+def deferred():
+    """Holds SIGINT and SIGTERM back to the safe points inside the block.
+
+    A signal pending at the block's end is raised there. A no-op outside
+    `main` (the library used from a user's own program).
+    """
+    if _SIGNALS is None:
+        yield
         return
-    previous = signal.signal(signal.SIGTERM, terminate)
+    _SIGNALS.deferring += 1
     try:
-        yield received
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _SIGNALS.deferring -= 1
+    _SIGNALS.raise_pending()
+
+
+@contextlib.contextmanager
+def _signals_handled():
+    """`_Signals` installed for SIGTERM, and for SIGINT unless it is ignored.
+
+    A process started in the background by a shell without job control
+    inherits SIGINT ignored, and that choice is kept.
+    """
+    global _SIGNALS
+    if threading.current_thread() is not threading.main_thread():
+        yield _Signals()  # signal handlers can be set in the main thread only
+        return
+    handled = _Signals()
+    names = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        names.append(signal.SIGINT)
+    previous = {name: signal.signal(name, handled.handle) for name in names}
+    _SIGNALS = handled
+    try:
+        yield handled
+    finally:
+        _SIGNALS = None
+        for name, handler in previous.items():
+            signal.signal(name, handler)
 
 
 def main(argv=None):
@@ -184,7 +254,7 @@ def main(argv=None):
             f"to the {backend!r} backend (KERAS_BACKEND or keras.json); set "
             "KERAS_BACKEND=tensorflow",
         )
-    with _sigterm_as_interrupt() as terminated:
+    with _signals_handled() as signals:
         try:
             from tf_lars.cli import set_tensorflow_log_level
 
@@ -194,12 +264,12 @@ def main(argv=None):
             kept = str(interrupt)
             print(
                 f"tf-lars {arguments.command}: interrupted "
-                f"({'SIGTERM' if terminated else 'Ctrl-C'})"
+                f"({'SIGTERM' if signals.terminated else 'Ctrl-C'})"
                 + (f"; {kept}" if kept else ""),
                 file=sys.stderr,
                 flush=True,
             )
-            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+            return EXIT_TERMINATED if signals.terminated else EXIT_INTERRUPTED
         except ModuleNotFoundError as error:
             if (error.name or "").partition(".")[0] not in _CLI_EXTRA:
                 raise

@@ -34,6 +34,7 @@ from tf_lars.cli.config import (
     learning_rate_schedule,
     optimizer_spec,
 )
+from tf_lars.cli.main import deferred, raise_pending
 from tf_lars.cli.preflight import (
     INTERRUPTED_NOTE,
     check_distribute,
@@ -384,6 +385,23 @@ class _StopOnNonFinite(keras.callbacks.Callback):
         self._epoch = epoch
 
 
+class _RaiseInterrupts(keras.callbacks.Callback):
+    """Raises a Ctrl-C or SIGTERM that came during a step, between steps.
+
+    Inside `fit_once` the command line holds signals back
+    (`tf_lars.cli.main.deferred`); this is the safe point where they are
+    raised, out of `fit` as from any callback.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        raise_pending()
+
+    on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+    def on_epoch_end(self, epoch, logs=None):
+        raise_pending()
+
+
 @contextlib.contextmanager
 def _dtype_policy(precision):
     previous = keras.config.dtype_policy()
@@ -514,7 +532,7 @@ def fit_once(
         accuracy after training, seconds.
     """
     model = trial["model"]
-    with _dtype_policy(trial["precision"]):
+    with deferred(), _dtype_policy(trial["precision"]):
         _compile(trial, jit_compile, strategy)
         batches, steps, validation_data, train_data, test_data = _fit_inputs(
             data, trial, batch_size, epochs, strategy
@@ -527,7 +545,7 @@ def fit_once(
             steps_per_epoch=steps,
             validation_data=validation_data if validation else None,
             validation_batch_size=test_data.get("batch_size"),
-            callbacks=[stopper, *callbacks],
+            callbacks=[stopper, *callbacks, _RaiseInterrupts()],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself, every epoch
         )
