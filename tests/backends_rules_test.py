@@ -27,6 +27,18 @@ from tf_lars import _internals, _kernels, _rules
 
 BACKEND = keras.backend.backend()
 STEPS = 3
+ONLY_JAX = pytest.mark.skipif(BACKEND != "jax", reason="JAX only")
+ONLY_TENSORFLOW = pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="TensorFlow's fast kernels: TensorFlow only"
+)
+# XLA compiles the steps on JAX and TensorFlow (PyTorch runs op by op).
+ONLY_COMPILED = pytest.mark.skipif(
+    BACKEND not in ("jax", "tensorflow"), reason="XLA: JAX and TensorFlow only"
+)
+if BACKEND == "tensorflow":  # the fast kernels' tests (ONLY_TENSORFLOW)
+    import tensorflow as tf
+
+    from tf_lars import _tf_fast
 
 # ------------------------------------------------------------- references
 
@@ -287,38 +299,37 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier(monkeypatch):
     assert "optimization_barrier" not in traced_step(tf_lars.LAMB(0.1), (4, 3))
 
 
-if BACKEND == "jax":
+@ONLY_JAX
+@pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
+    # Under jax.jit LAMB's norm computes the direction again from m, v and
+    # w (`LAMB.update_step`'s `for_norm`, also inside the range check's branch
+    # at the extreme scales); eagerly it reads the stored direction. Both
+    # give the reference's steps and the same ratios (sized as a large
+    # model, where it recomputes).
+    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    start = lars_ref.extreme_values(scale)
+    grads = [lars_ref.extreme_values(1.0, seed=1 + i) for i in range(STEPS)]
+    results, asked = [], {}
+    for recompute in (True, False):
+        optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
 
-    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
-    def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
-        # Under jax.jit LAMB's norm computes the direction again from m, v and
-        # w (`LAMB.update_step`'s `for_norm`, also inside the range check's branch
-        # at the extreme scales); eagerly it reads the stored direction. Both
-        # give the reference's steps and the same ratios (sized as a large
-        # model, where it recomputes).
-        monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
-        start = lars_ref.extreme_values(scale)
-        grads = [lars_ref.extreme_values(1.0, seed=1 + i) for i in range(STEPS)]
-        results, asked = [], {}
-        for recompute in (True, False):
-            optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
+        def spy(direction, recompute=recompute):
+            decided = _rules.recomputes_for_norms(direction)
+            asked.setdefault(recompute, []).append(decided)
+            return decided and recompute
 
-            def spy(direction, recompute=recompute):
-                decided = _rules.recomputes_for_norms(direction)
-                asked.setdefault(recompute, []).append(decided)
-                return decided and recompute
-
-            monkeypatch.setattr(_kernels, "recomputes_for_norms", spy)
-            trainable, ratios = run_stateless_jit(optimizer, grads, start)
-            results.append((trainable, np.asarray(ratios)))
-        assert asked[True] and all(asked[True])  # traced: every variable recomputes
-        (fast, fast_ratios), (stored, stored_ratios) = results
-        np.testing.assert_allclose(fast_ratios, stored_ratios, rtol=1e-6)
-        want = ref.optax_lamb(start, grads, 0.1, weight_decay=0.01)
-        for a, b, expected in zip(fast, stored, want, strict=True):
-            assert np.all(np.isfinite(a))
-            np.testing.assert_allclose(a, b, rtol=1e-6)
-            np.testing.assert_allclose(a, expected, rtol=2e-5)
+        monkeypatch.setattr(_kernels, "recomputes_for_norms", spy)
+        trainable, ratios = run_stateless_jit(optimizer, grads, start)
+        results.append((trainable, np.asarray(ratios)))
+    assert asked[True] and all(asked[True])  # traced: every variable recomputes
+    (fast, fast_ratios), (stored, stored_ratios) = results
+    np.testing.assert_allclose(fast_ratios, stored_ratios, rtol=1e-6)
+    want = ref.optax_lamb(start, grads, 0.1, weight_decay=0.01)
+    for a, b, expected in zip(fast, stored, want, strict=True):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(a, expected, rtol=2e-5)
 
 
 def _compiled_step_hlo(optimizer, variables, grads):
@@ -345,54 +356,57 @@ def _compiled_step_hlo(optimizer, variables, grads):
 
 
 # XLA compiles the steps on JAX and TensorFlow (PyTorch runs op by op).
-if BACKEND in ("jax", "tensorflow"):
 
-    @pytest.mark.parametrize(
-        "make",
-        [
-            lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-            lambda: tf_lars.LARS(0.1, weight_decay=0.01),
-            lambda: tf_lars.LARS(0.1, weight_decay=0.01, trust_ratio="decayed"),
-            lambda: tf_lars.LAMB(0.1, weight_decay=0.01),
-            lambda: tf_lars.LAMB(0.1),
-        ],
-        ids=["sgd", "lars", "lars_decayed", "lamb", "lamb_no_decay"],
-    )
-    def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
-        # XLA's optimized program of the compiled step writes nothing as large
-        # as a variable except the new weights and slots: no broadcast of a
-        # scalar (LARS's decay, LAMB's epsilon and decay factor), no stored
-        # direction, no `g + wd w` (docs/guides/backends.md, "What the JAX step
-        # costs"). Two variables of one shape, as in a model, where XLA would
-        # share a broadcast between them; LAMB sized as a large model (it
-        # stores its direction in small ones: the test below).
-        monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
-        hlo_traffic = benchmark_scripts.load("hlo_traffic")
-        optimizer = make()
-        variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
-        grads = [ops.full((256, 64), 1e-3) for _ in variables]
-        text = _compiled_step_hlo(optimizer, variables, grads)
-        size = 256 * 64 * 4
-        assert hlo_traffic.temporaries(text, at_least=size) == []
-        # And it does write every weight and slot (the count sees them).
-        slots = sum(1 for v in optimizer.variables if tuple(v.shape) == (256, 64))
-        assert hlo_traffic.traffic(text).written >= size * (len(variables) + slots)
 
-    @pytest.mark.parametrize("rows", [1024, 4096])
-    def test_lamb_recomputes_its_direction_only_in_large_models(rows):
-        # Under XLA LAMB's norm computes the direction again only in models of
-        # at least `_rules.RECOMPUTED_FROM` parameters; in a smaller one it stores
-        # the direction (a temporary as large as the variable), which measured
-        # faster while the tensors stay in the CPU's caches.
-        hlo_traffic = benchmark_scripts.load("hlo_traffic")
-        optimizer = tf_lars.LAMB(0.1, weight_decay=0.01)
-        variables = [keras.Variable(np.full((rows, 1024), 0.01, "float32"))]
-        grads = [ops.full((rows, 1024), 1e-3)]
-        text = _compiled_step_hlo(optimizer, variables, grads)
-        large = rows * 1024 >= _rules.RECOMPUTED_FROM
-        assert large == (rows == 4096)
-        stored = hlo_traffic.temporaries(text, at_least=rows * 1024 * 4)
-        assert (stored == []) == large, stored
+@ONLY_COMPILED
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: tf_lars.LARS(0.1, weight_decay=0.01),
+        lambda: tf_lars.LARS(0.1, weight_decay=0.01, trust_ratio="decayed"),
+        lambda: tf_lars.LAMB(0.1, weight_decay=0.01),
+        lambda: tf_lars.LAMB(0.1),
+    ],
+    ids=["sgd", "lars", "lars_decayed", "lamb", "lamb_no_decay"],
+)
+def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
+    # XLA's optimized program of the compiled step writes nothing as large
+    # as a variable except the new weights and slots: no broadcast of a
+    # scalar (LARS's decay, LAMB's epsilon and decay factor), no stored
+    # direction, no `g + wd w` (docs/guides/backends.md, "What the JAX step
+    # costs"). Two variables of one shape, as in a model, where XLA would
+    # share a broadcast between them; LAMB sized as a large model (it
+    # stores its direction in small ones: the test below).
+    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    hlo_traffic = benchmark_scripts.load("hlo_traffic")
+    optimizer = make()
+    variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
+    grads = [ops.full((256, 64), 1e-3) for _ in variables]
+    text = _compiled_step_hlo(optimizer, variables, grads)
+    size = 256 * 64 * 4
+    assert hlo_traffic.temporaries(text, at_least=size) == []
+    # And it does write every weight and slot (the count sees them).
+    slots = sum(1 for v in optimizer.variables if tuple(v.shape) == (256, 64))
+    assert hlo_traffic.traffic(text).written >= size * (len(variables) + slots)
+
+
+@ONLY_COMPILED
+@pytest.mark.parametrize("rows", [1024, 4096])
+def test_lamb_recomputes_its_direction_only_in_large_models(rows):
+    # Under XLA LAMB's norm computes the direction again only in models of
+    # at least `_rules.RECOMPUTED_FROM` parameters; in a smaller one it stores
+    # the direction (a temporary as large as the variable), which measured
+    # faster while the tensors stay in the CPU's caches.
+    hlo_traffic = benchmark_scripts.load("hlo_traffic")
+    optimizer = tf_lars.LAMB(0.1, weight_decay=0.01)
+    variables = [keras.Variable(np.full((rows, 1024), 0.01, "float32"))]
+    grads = [ops.full((rows, 1024), 1e-3)]
+    text = _compiled_step_hlo(optimizer, variables, grads)
+    large = rows * 1024 >= _rules.RECOMPUTED_FROM
+    assert large == (rows == 4096)
+    stored = hlo_traffic.temporaries(text, at_least=rows * 1024 * 4)
+    assert (stored == []) == large, stored
 
 
 def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
@@ -562,332 +576,351 @@ def _check_trust_ratio_around(cls):
 
 # ------------------------------- TensorFlow: each fast kernel = portable rule
 
-if BACKEND == "tensorflow":
-    import tensorflow as tf
+# (3, 3, 64, 64) folds under XLA and is one MatMul without; (5, 7) is
+# below the size where a plain reduction is used.
+KERNEL_SHAPES = [(3, 3, 64, 64), (5, 7), (4096 + 3,)]
+TRACERS = ["eager", "graph", "xla"]
 
-    from tf_lars import _tf_fast
 
-    # (3, 3, 64, 64) folds under XLA and is one MatMul without; (5, 7) is
-    # below the size where a plain reduction is used.
-    KERNEL_SHAPES = [(3, 3, 64, 64), (5, 7), (4096 + 3,)]
-    TRACERS = {
-        "eager": lambda f: f,
-        "graph": tf.function,
-        "xla": lambda f: tf.function(f, jit_compile=True),
-    }
+def _traced(tracer, function):
+    if tracer == "eager":
+        return function
+    return tf.function(function, jit_compile=tracer == "xla")
 
-    @pytest.mark.parametrize("tracer", sorted(TRACERS))
-    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
-    def test_tf_norms_equal_the_portable_norms(scale, tracer):
-        rng = np.random.default_rng(5)
-        tensors = [
-            tf.constant(rng.uniform(-1, 1, size=s).astype("float32") * scale / 100)
-            for s in KERNEL_SHAPES
-        ] + [tf.zeros((3,))]
-        fast = TRACERS[tracer](_tf_fast.norms)(tensors)
-        portable = TRACERS[tracer](_rules.norms)(tensors)
-        want = [np.linalg.norm(t.numpy().astype(np.float64)) for t in tensors]
-        np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
-        np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
 
-    @pytest.mark.parametrize("tracer", sorted(TRACERS))
-    def test_tf_entries_equal_the_portable_entries(tracer):
-        # Under XLA the fast path reads the entry of a small tensor at a
-        # position that is a runtime input of the program (the compiled
-        # updates of small variables of one shape are then one kernel), and
-        # of a large one at its fixed offset; the values are the same.
-        vector = tf.constant([0.5, -2.0, 3.25, 1e-30, 7.0], "float32")
-        tensors = [tf.zeros(s) for s in [(4,), (64, 128), (3, 3), (4,)]]
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("tracer", TRACERS)
+@pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+def test_tf_norms_equal_the_portable_norms(scale, tracer):
+    rng = np.random.default_rng(5)
+    tensors = [
+        tf.constant(rng.uniform(-1, 1, size=s).astype("float32") * scale / 100)
+        for s in KERNEL_SHAPES
+    ] + [tf.zeros((3,))]
+    fast = _traced(tracer, _tf_fast.norms)(tensors)
+    portable = _traced(tracer, _rules.norms)(tensors)
+    want = [np.linalg.norm(t.numpy().astype(np.float64)) for t in tensors]
+    np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
+    np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
 
-        def both(values):
-            return (
-                tf.stack(_tf_fast.entries(values, tensors)),
-                tf.stack(_rules.entries(values, tensors)),
-            )
 
-        fast, portable = TRACERS[tracer](both)(vector)
-        np.testing.assert_array_equal(fast.numpy(), vector.numpy()[:4])
-        np.testing.assert_array_equal(fast.numpy(), portable.numpy())
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_tf_entries_equal_the_portable_entries(tracer):
+    # Under XLA the fast path reads the entry of a small tensor at a
+    # position that is a runtime input of the program (the compiled
+    # updates of small variables of one shape are then one kernel), and
+    # of a large one at its fixed offset; the values are the same.
+    vector = tf.constant([0.5, -2.0, 3.25, 1e-30, 7.0], "float32")
+    tensors = [tf.zeros(s) for s in [(4,), (64, 128), (3, 3), (4,)]]
 
-    def _slot_pair():
-        """Two (variable, slot) pairs holding the same values, and an optimizer."""
-        rng = np.random.default_rng(6)
-        start = rng.normal(size=(8, 5)).astype("float32")
-        slot = rng.normal(size=(8, 5)).astype("float32")
-        optimizer = tf_lars.LARS()
-        variables = [keras.Variable(start) for _ in range(2)]
-        slots = [keras.Variable(slot) for _ in range(2)]
-        gradient = tf.constant(rng.normal(size=(8, 5)).astype("float32"))
-        return optimizer, variables, slots, gradient
-
-    @pytest.mark.parametrize("tracer", sorted(TRACERS))
-    @pytest.mark.parametrize("nesterov", [False, True])
-    def test_tf_momentum_step_equals_the_portable_step(nesterov, tracer):
-        optimizer, variables, slots, gradient = _slot_pair()
-        rate = tf.constant(0.3)
-        for module, variable, slot in zip(
-            (_tf_fast, _rules), variables, slots, strict=True
-        ):
-            step = functools.partial(
-                module.momentum_step,
-                optimizer,
-                variable,
-                slot,
-                gradient,
-                rate,
-                0.9,
-                nesterov,
-            )
-            TRACERS[tracer](step)()
-        np.testing.assert_allclose(slots[0].numpy(), slots[1].numpy(), rtol=1e-6)
-        np.testing.assert_allclose(
-            variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+    def both(values):
+        return (
+            tf.stack(_tf_fast.entries(values, tensors)),
+            tf.stack(_rules.entries(values, tensors)),
         )
 
-    @pytest.mark.parametrize("tracer", sorted(TRACERS))
-    def test_tf_scaled_step_equals_the_portable_step(tracer):
-        optimizer, variables, _, step = _slot_pair()
-        for module, variable in zip((_tf_fast, _rules), variables, strict=True):
-            write = functools.partial(
-                module.scaled_step, optimizer, variable, tf.constant(0.7), step
-            )
-            TRACERS[tracer](write)()
-        np.testing.assert_allclose(
-            variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+    fast, portable = _traced(tracer, both)(vector)
+    np.testing.assert_array_equal(fast.numpy(), vector.numpy()[:4])
+    np.testing.assert_array_equal(fast.numpy(), portable.numpy())
+
+
+def _slot_pair():
+    """Two (variable, slot) pairs holding the same values, and an optimizer."""
+    rng = np.random.default_rng(6)
+    start = rng.normal(size=(8, 5)).astype("float32")
+    slot = rng.normal(size=(8, 5)).astype("float32")
+    optimizer = tf_lars.LARS()
+    variables = [keras.Variable(start) for _ in range(2)]
+    slots = [keras.Variable(slot) for _ in range(2)]
+    gradient = tf.constant(rng.normal(size=(8, 5)).astype("float32"))
+    return optimizer, variables, slots, gradient
+
+
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("tracer", TRACERS)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_tf_momentum_step_equals_the_portable_step(nesterov, tracer):
+    optimizer, variables, slots, gradient = _slot_pair()
+    rate = tf.constant(0.3)
+    for module, variable, slot in zip(
+        (_tf_fast, _rules), variables, slots, strict=True
+    ):
+        step = functools.partial(
+            module.momentum_step,
+            optimizer,
+            variable,
+            slot,
+            gradient,
+            rate,
+            0.9,
+            nesterov,
         )
-
-    def _lamb_steps(direction_of, start, gradients, decay):
-        """Two LAMB directions (times their scale) and Adam's slots after."""
-        optimizer = tf_lars.LAMB(learning_rate=0.01)
-        variable = keras.Variable(start)
-        optimizer.build([variable])
-        slots = _internals.adam_slots(optimizer.inner_optimizer, 0)
-
-        @tf.function
-        def step(gradient):
-            rate = tf.constant(0.01)
-            scale, epsilon, shift = optimizer._adam_scalars(variable.dtype, rate)
-            factor = None
-            if decay != 0.0:
-                factor = _rules.decay_factor(scale, rate, decay)
-            direction = direction_of(
-                optimizer, gradient, variable.value, slots, epsilon, shift, factor
-            )
-            optimizer.inner_optimizer.iterations.assign_add(1)
-            return scale * direction
-
-        steps = [step(gradient).numpy() for gradient in gradients]
-        # The fast path took the fused kernel (its scratch buffer exists).
-        fused = len(_tf_fast.direction_buffers(optimizer))
-        assert fused == (1 if direction_of is _tf_fast.adam_direction else 0)
-        return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
-
-    @pytest.mark.parametrize("decay", [0.0, 0.01])
-    def test_tf_fused_lamb_direction_equals_the_portable_direction(decay):
-        # Graph without XLA, where LAMB takes the fused kernel.
-        rng = np.random.default_rng(8)
-        start = rng.normal(size=(6, 4)).astype("float32")
-        gradients = [
-            tf.constant(rng.normal(size=(6, 4)).astype("float32")) for _ in range(2)
-        ]
-        fast = _lamb_steps(_tf_fast.adam_direction, start, gradients, decay)
-        portable = _lamb_steps(_rules.adam_direction, start, gradients, decay)
-        assert len(fast) == 4  # two steps, m and v
-        # 2e-5: the kernel rounds `1 - beta_2` from float32 0.999 (1.3e-5 off
-        # 0.001), the portable rule from the Python float.
-        for a, b in zip(fast, portable, strict=True):
-            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9)
-
-    def _xla_apply_steps(optimizer, start, grads):
-        variables = [keras.Variable(w) for w in start]
-
-        @tf.function(jit_compile=True)
-        def step(step_grads):
-            optimizer.apply(step_grads, variables)
-
-        for step_grads in grads:
-            step(step_grads)
-        return [v.numpy() for v in variables], optimizer.trust_ratios.numpy()
-
-    @pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
-    def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
-        # Under XLA, LAMB's norm computes the direction again from m, v and
-        # w (`LAMB.update_step`'s `for_norm`, also inside the rescaling branch
-        # at the extreme scales): the same steps and ratios as a LAMB whose
-        # norm reads the stored direction, and as the reference (sized as a
-        # large model, where it recomputes).
-        monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
-        # (64, 128) folds under XLA; norms <= scale, so they are representable.
-        start = lars_ref.extreme_values(scale)
-        grads = [
-            [tf.constant(g) for g in lars_ref.extreme_values(1.0, seed=1 + i)]
-            for i in range(STEPS)
-        ]
-        results, recomputed = [], []
-        for recompute in (True, False):
-            optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
-            if recompute:
-
-                def spy(direction):
-                    recomputed.append(_tf_fast.recomputes_for_norms(direction))
-                    return recomputed[-1]
-
-                monkeypatch.setattr(_kernels, "recomputes_for_norms", spy)
-            else:
-                monkeypatch.setattr(
-                    _kernels, "recomputes_for_norms", lambda direction: False
-                )
-            results.append(_xla_apply_steps(optimizer, start, grads))
-        assert recomputed and all(recomputed)  # every variable, every trace
-        (fast, fast_ratios), (stored, stored_ratios) = results
-        np.testing.assert_allclose(fast_ratios, stored_ratios, rtol=1e-6)
-        want = ref.optax_lamb(
-            start, [[g.numpy() for g in gs] for gs in grads], 0.1, weight_decay=0.01
-        )
-        for a, b, expected in zip(fast, stored, want, strict=True):
-            assert np.all(np.isfinite(a))
-            np.testing.assert_allclose(a, b, rtol=1e-6)
-            np.testing.assert_allclose(a, expected, rtol=2e-5)
-
-    def test_tf_compiled_apply_equals_the_portable_apply():
-        got = []
-        for jit_compile in (True, False):
-            optimizer, _ = make_case("lars_nesterov")
-            optimizer.jit_compile = jit_compile
-            got.append(run_apply(optimizer, GRADS)[0])
-        for a, b in zip(*got, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-
-
-if BACKEND == "jax":
-
-    def test_jax_bench_fit_ratio_is_the_median_of_paired_rounds(monkeypatch, capsys):
-        # benchmarks/jax_bench.py's fit rows with known rates in place of
-        # the timed epochs: every model fits one epoch per round, in turn,
-        # and a row's ratio is the median of the rounds' ratios.
-        jax_bench = benchmark_scripts.load("jax_bench")
-        rates = {
-            "SGD(momentum)": [100.0, 200.0, 100.0],
-            "LARS": [90.0, 220.0, 95.0],  # 0.90, 1.10, 0.95
-            "Adam": [100.0, 50.0, 200.0],
-            "LAMB (wd 0.01)": [80.0, 45.0, 200.0],  # 0.80, 0.90, 1.00
-            "LAMB (wd 0)": [70.0, 50.0, 120.0],  # 0.70, 1.00, 0.60
-            "keras Lamb": [100.0, 40.0, 190.0],  # 1.00, 0.80, 0.95
-        }
-        pending = {name: list(values) for name, values in rates.items()}
-        order = []
-        kinds = []
-
-        def rate(model, x, y, kind):
-            order.append(model)
-            kinds.append(kind)
-            return pending[model].pop(0)
-
-        monkeypatch.setattr(
-            jax_bench,
-            "_fit_optimizers",
-            lambda: {name: (lambda name=name: name) for name in rates},
-        )
-        monkeypatch.setattr(jax_bench, "_fit_model", lambda make, x, y, kind: make())
-        monkeypatch.setattr(jax_bench, "_fit_rate", rate)
-        table = jax_bench.fit_rows(steps=1, rounds=3)
-        assert order == list(rates) * 3
-        assert set(kinds) == {"mlp"}
-        expected = {
-            "LARS vs SGD(momentum)": (100.0, 95.0, [0.90, 1.10, 0.95]),
-            "LAMB (wd 0.01) vs Adam": (100.0, 80.0, [0.80, 0.90, 1.00]),
-            "LAMB (wd 0) vs Adam": (100.0, 70.0, [0.70, 1.00, 0.60]),
-            "keras Lamb vs Adam": (100.0, 100.0, [1.00, 0.80, 0.95]),
-        }
-        assert list(table) == list(expected)
-        for row, (base, ours, ratios) in expected.items():
-            assert table[row][:2] == (base, ours)
-            np.testing.assert_allclose(table[row][2], ratios, rtol=1e-12)
-        out = capsys.readouterr().out
-        # Rates print with one decimal below 100 samples/s.
-        for printed in [
-            ("LARS vs SGD(momentum)", "100", "95.0", "0.95", "0.90-1.10"),
-            ("LAMB (wd 0.01) vs Adam", "100", "80.0", "0.90", "0.80-1.00"),
-            ("LAMB (wd 0) vs Adam", "100", "70.0", "0.70", "0.60-1.00"),
-            ("keras Lamb vs Adam", "100", "100", "0.95", "0.80-1.00"),
-        ]:
-            pattern = r"\s+".join(re.escape(field) for field in printed)
-            assert re.search(pattern + r"\n", out), (printed, out)
-
-    def test_jax_bench_fit_rows_on_resnet50(monkeypatch, capsys):
-        # `--fit-model resnet50`: benchmarks/bench.py's fit model and data
-        # reach every compiled model and every timed epoch.
-        jax_bench = benchmark_scripts.load("jax_bench")
-        seen = []
-
-        def model(make, x, y, kind):
-            seen.append(("compile", make(), x.shape, y.dtype.kind, kind))
-            return make()
-
-        def rate(model, x, y, kind):
-            seen.append(("fit", model, len(x), kind))
-            return 10.0
-
-        monkeypatch.setattr(jax_bench, "_fit_model", model)
-        monkeypatch.setattr(jax_bench, "_fit_rate", rate)
-        monkeypatch.setattr(
-            jax_bench,
-            "_fit_optimizers",
-            lambda: {"SGD(momentum)": lambda: "SGD(momentum)", "LARS": lambda: "LARS"},
-        )
-        monkeypatch.setattr(
-            jax_bench, "FIT_PAIRS", {"LARS vs SGD(momentum)": ("SGD(momentum)", "LARS")}
-        )
-        jax_bench.fit_rows(steps=2, rounds=1, kind="resnet50")
-        assert seen == [
-            ("compile", "SGD(momentum)", (64, 64, 64, 3), "i", "resnet50"),
-            ("compile", "LARS", (64, 64, 64, 3), "i", "resnet50"),
-            ("fit", "SGD(momentum)", 64, "resnet50"),
-            ("fit", "LARS", 64, "resnet50"),
-        ]
-        out = capsys.readouterr().out
-        assert "ResNet50(weights=None) at 64x64, 10 classes, batch 32" in out
-        assert re.search(
-            r"LARS vs SGD\(momentum\)\s+10\.0\s+10\.0\s+1\.00\s+1\.00-1\.00", out
-        )
-
-    def test_jax_bench_resnet50_fit_network_is_bench_s_model():
-        jax_bench = benchmark_scripts.load("jax_bench")
-        x, y = jax_bench._fit_data("resnet50", steps=1)
-        assert x.shape == (32, 64, 64, 3) and x.dtype == np.float32
-        assert y.shape == (32,) and set(np.unique(y)) <= set(range(10))
-        network, loss = jax_bench._fit_network("resnet50")
-        assert network.name == "resnet50"
-        assert tuple(network.input_shape) == (None, 64, 64, 3)
-        assert tuple(network.output_shape) == (None, 10)
-        assert network.layers[-1].activation is keras.activations.linear
-        assert isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
-        assert loss.get_config()["from_logits"] is True
-
-    @pytest.mark.parametrize(
-        "argv", [["--fit-rounds", "0"], ["--fit-steps", "0"], ["--repeats", "-1"]]
+        _traced(tracer, step)()
+    np.testing.assert_allclose(slots[0].numpy(), slots[1].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
     )
-    def test_jax_bench_refuses_counts_below_one(argv, capsys):
-        jax_bench = benchmark_scripts.load("jax_bench")
-        with pytest.raises(SystemExit) as stopped:
-            jax_bench.main(["--only", "fit", *argv])
-        assert stopped.value.code == 2
-        err = capsys.readouterr().err
-        assert "--repeats, --fit-steps and --fit-rounds must be >= 1" in err
-        assert " ".join(argv) in err
 
-    def test_jax_bench_fit_model_trains_under_jit():
-        # The fit part's model and timed epoch, for real: LAMB under the JAX
-        # trainer's compiled step, a warm-up epoch and a timed one.
-        jax_bench = benchmark_scripts.load("jax_bench")
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(512, 512)).astype("float32")
-        y = rng.normal(size=(512, 10)).astype("float32")
-        model = jax_bench._fit_model(
-            lambda: tf_lars.LAMB(1e-3, weight_decay=0.01), x, y
+
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_tf_scaled_step_equals_the_portable_step(tracer):
+    optimizer, variables, _, step = _slot_pair()
+    for module, variable in zip((_tf_fast, _rules), variables, strict=True):
+        write = functools.partial(
+            module.scaled_step, optimizer, variable, tf.constant(0.7), step
         )
-        assert int(model.optimizer.iterations) == 2  # 512 samples, batch 256
-        assert jax_bench._fit_rate(model, x, y) > 0
-        assert int(model.optimizer.iterations) == 4
-        ratios = np.asarray(model.optimizer.trust_ratios)
-        assert np.all(np.isfinite(ratios)) and np.all(ratios > 0)
+        _traced(tracer, write)()
+    np.testing.assert_allclose(
+        variables[0].numpy(), variables[1].numpy(), rtol=1e-6, atol=1e-7
+    )
+
+
+def _lamb_steps(direction_of, start, gradients, decay):
+    """Two LAMB directions (times their scale) and Adam's slots after."""
+    optimizer = tf_lars.LAMB(learning_rate=0.01)
+    variable = keras.Variable(start)
+    optimizer.build([variable])
+    slots = _internals.adam_slots(optimizer.inner_optimizer, 0)
+
+    @tf.function
+    def step(gradient):
+        rate = tf.constant(0.01)
+        scale, epsilon, shift = optimizer._adam_scalars(variable.dtype, rate)
+        factor = None
+        if decay != 0.0:
+            factor = _rules.decay_factor(scale, rate, decay)
+        direction = direction_of(
+            optimizer, gradient, variable.value, slots, epsilon, shift, factor
+        )
+        optimizer.inner_optimizer.iterations.assign_add(1)
+        return scale * direction
+
+    steps = [step(gradient).numpy() for gradient in gradients]
+    # The fast path took the fused kernel (its scratch buffer exists).
+    fused = len(_tf_fast.direction_buffers(optimizer))
+    assert fused == (1 if direction_of is _tf_fast.adam_direction else 0)
+    return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
+
+
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("decay", [0.0, 0.01])
+def test_tf_fused_lamb_direction_equals_the_portable_direction(decay):
+    # Graph without XLA, where LAMB takes the fused kernel.
+    rng = np.random.default_rng(8)
+    start = rng.normal(size=(6, 4)).astype("float32")
+    gradients = [
+        tf.constant(rng.normal(size=(6, 4)).astype("float32")) for _ in range(2)
+    ]
+    fast = _lamb_steps(_tf_fast.adam_direction, start, gradients, decay)
+    portable = _lamb_steps(_rules.adam_direction, start, gradients, decay)
+    assert len(fast) == 4  # two steps, m and v
+    # 2e-5: the kernel rounds `1 - beta_2` from float32 0.999 (1.3e-5 off
+    # 0.001), the portable rule from the Python float.
+    for a, b in zip(fast, portable, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9)
+
+
+def _xla_apply_steps(optimizer, start, grads):
+    variables = [keras.Variable(w) for w in start]
+
+    @tf.function(jit_compile=True)
+    def step(step_grads):
+        optimizer.apply(step_grads, variables)
+
+    for step_grads in grads:
+        step(step_grads)
+    return [v.numpy() for v in variables], optimizer.trust_ratios.numpy()
+
+
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
+    # Under XLA, LAMB's norm computes the direction again from m, v and
+    # w (`LAMB.update_step`'s `for_norm`, also inside the rescaling branch
+    # at the extreme scales): the same steps and ratios as a LAMB whose
+    # norm reads the stored direction, and as the reference (sized as a
+    # large model, where it recomputes).
+    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    # (64, 128) folds under XLA; norms <= scale, so they are representable.
+    start = lars_ref.extreme_values(scale)
+    grads = [
+        [tf.constant(g) for g in lars_ref.extreme_values(1.0, seed=1 + i)]
+        for i in range(STEPS)
+    ]
+    results, recomputed = [], []
+    for recompute in (True, False):
+        optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
+        if recompute:
+
+            def spy(direction):
+                recomputed.append(_tf_fast.recomputes_for_norms(direction))
+                return recomputed[-1]
+
+            monkeypatch.setattr(_kernels, "recomputes_for_norms", spy)
+        else:
+            monkeypatch.setattr(
+                _kernels, "recomputes_for_norms", lambda direction: False
+            )
+        results.append(_xla_apply_steps(optimizer, start, grads))
+    assert recomputed and all(recomputed)  # every variable, every trace
+    (fast, fast_ratios), (stored, stored_ratios) = results
+    np.testing.assert_allclose(fast_ratios, stored_ratios, rtol=1e-6)
+    want = ref.optax_lamb(
+        start, [[g.numpy() for g in gs] for gs in grads], 0.1, weight_decay=0.01
+    )
+    for a, b, expected in zip(fast, stored, want, strict=True):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(a, expected, rtol=2e-5)
+
+
+@ONLY_TENSORFLOW
+def test_tf_compiled_apply_equals_the_portable_apply():
+    got = []
+    for jit_compile in (True, False):
+        optimizer, _ = make_case("lars_nesterov")
+        optimizer.jit_compile = jit_compile
+        got.append(run_apply(optimizer, GRADS)[0])
+    for a, b in zip(*got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@ONLY_JAX
+def test_jax_bench_fit_ratio_is_the_median_of_paired_rounds(monkeypatch, capsys):
+    # benchmarks/jax_bench.py's fit rows with known rates in place of
+    # the timed epochs: every model fits one epoch per round, in turn,
+    # and a row's ratio is the median of the rounds' ratios.
+    jax_bench = benchmark_scripts.load("jax_bench")
+    rates = {
+        "SGD(momentum)": [100.0, 200.0, 100.0],
+        "LARS": [90.0, 220.0, 95.0],  # 0.90, 1.10, 0.95
+        "Adam": [100.0, 50.0, 200.0],
+        "LAMB (wd 0.01)": [80.0, 45.0, 200.0],  # 0.80, 0.90, 1.00
+        "LAMB (wd 0)": [70.0, 50.0, 120.0],  # 0.70, 1.00, 0.60
+        "keras Lamb": [100.0, 40.0, 190.0],  # 1.00, 0.80, 0.95
+    }
+    pending = {name: list(values) for name, values in rates.items()}
+    order = []
+    kinds = []
+
+    def rate(model, x, y, kind):
+        order.append(model)
+        kinds.append(kind)
+        return pending[model].pop(0)
+
+    monkeypatch.setattr(
+        jax_bench,
+        "_fit_optimizers",
+        lambda: {name: (lambda name=name: name) for name in rates},
+    )
+    monkeypatch.setattr(jax_bench, "_fit_model", lambda make, x, y, kind: make())
+    monkeypatch.setattr(jax_bench, "_fit_rate", rate)
+    table = jax_bench.fit_rows(steps=1, rounds=3)
+    assert order == list(rates) * 3
+    assert set(kinds) == {"mlp"}
+    expected = {
+        "LARS vs SGD(momentum)": (100.0, 95.0, [0.90, 1.10, 0.95]),
+        "LAMB (wd 0.01) vs Adam": (100.0, 80.0, [0.80, 0.90, 1.00]),
+        "LAMB (wd 0) vs Adam": (100.0, 70.0, [0.70, 1.00, 0.60]),
+        "keras Lamb vs Adam": (100.0, 100.0, [1.00, 0.80, 0.95]),
+    }
+    assert list(table) == list(expected)
+    for row, (base, ours, ratios) in expected.items():
+        assert table[row][:2] == (base, ours)
+        np.testing.assert_allclose(table[row][2], ratios, rtol=1e-12)
+    out = capsys.readouterr().out
+    # Rates print with one decimal below 100 samples/s.
+    for printed in [
+        ("LARS vs SGD(momentum)", "100", "95.0", "0.95", "0.90-1.10"),
+        ("LAMB (wd 0.01) vs Adam", "100", "80.0", "0.90", "0.80-1.00"),
+        ("LAMB (wd 0) vs Adam", "100", "70.0", "0.70", "0.60-1.00"),
+        ("keras Lamb vs Adam", "100", "100", "0.95", "0.80-1.00"),
+    ]:
+        pattern = r"\s+".join(re.escape(field) for field in printed)
+        assert re.search(pattern + r"\n", out), (printed, out)
+
+
+@ONLY_JAX
+def test_jax_bench_fit_rows_on_resnet50(monkeypatch, capsys):
+    # `--fit-model resnet50`: benchmarks/bench.py's fit model and data
+    # reach every compiled model and every timed epoch.
+    jax_bench = benchmark_scripts.load("jax_bench")
+    seen = []
+
+    def model(make, x, y, kind):
+        seen.append(("compile", make(), x.shape, y.dtype.kind, kind))
+        return make()
+
+    def rate(model, x, y, kind):
+        seen.append(("fit", model, len(x), kind))
+        return 10.0
+
+    monkeypatch.setattr(jax_bench, "_fit_model", model)
+    monkeypatch.setattr(jax_bench, "_fit_rate", rate)
+    monkeypatch.setattr(
+        jax_bench,
+        "_fit_optimizers",
+        lambda: {"SGD(momentum)": lambda: "SGD(momentum)", "LARS": lambda: "LARS"},
+    )
+    monkeypatch.setattr(
+        jax_bench, "FIT_PAIRS", {"LARS vs SGD(momentum)": ("SGD(momentum)", "LARS")}
+    )
+    jax_bench.fit_rows(steps=2, rounds=1, kind="resnet50")
+    assert seen == [
+        ("compile", "SGD(momentum)", (64, 64, 64, 3), "i", "resnet50"),
+        ("compile", "LARS", (64, 64, 64, 3), "i", "resnet50"),
+        ("fit", "SGD(momentum)", 64, "resnet50"),
+        ("fit", "LARS", 64, "resnet50"),
+    ]
+    out = capsys.readouterr().out
+    assert "ResNet50(weights=None) at 64x64, 10 classes, batch 32" in out
+    assert re.search(
+        r"LARS vs SGD\(momentum\)\s+10\.0\s+10\.0\s+1\.00\s+1\.00-1\.00", out
+    )
+
+
+@ONLY_JAX
+def test_jax_bench_resnet50_fit_network_is_bench_s_model():
+    jax_bench = benchmark_scripts.load("jax_bench")
+    x, y = jax_bench._fit_data("resnet50", steps=1)
+    assert x.shape == (32, 64, 64, 3) and x.dtype == np.float32
+    assert y.shape == (32,) and set(np.unique(y)) <= set(range(10))
+    network, loss = jax_bench._fit_network("resnet50")
+    assert network.name == "resnet50"
+    assert tuple(network.input_shape) == (None, 64, 64, 3)
+    assert tuple(network.output_shape) == (None, 10)
+    assert network.layers[-1].activation is keras.activations.linear
+    assert isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+    assert loss.get_config()["from_logits"] is True
+
+
+@ONLY_JAX
+@pytest.mark.parametrize(
+    "argv", [["--fit-rounds", "0"], ["--fit-steps", "0"], ["--repeats", "-1"]]
+)
+def test_jax_bench_refuses_counts_below_one(argv, capsys):
+    jax_bench = benchmark_scripts.load("jax_bench")
+    with pytest.raises(SystemExit) as stopped:
+        jax_bench.main(["--only", "fit", *argv])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--repeats, --fit-steps and --fit-rounds must be >= 1" in err
+    assert " ".join(argv) in err
+
+
+@ONLY_JAX
+def test_jax_bench_fit_model_trains_under_jit():
+    # The fit part's model and timed epoch, for real: LAMB under the JAX
+    # trainer's compiled step, a warm-up epoch and a timed one.
+    jax_bench = benchmark_scripts.load("jax_bench")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 512)).astype("float32")
+    y = rng.normal(size=(512, 10)).astype("float32")
+    model = jax_bench._fit_model(lambda: tf_lars.LAMB(1e-3, weight_decay=0.01), x, y)
+    assert int(model.optimizer.iterations) == 2  # 512 samples, batch 256
+    assert jax_bench._fit_rate(model, x, y) > 0
+    assert int(model.optimizer.iterations) == 4
+    ratios = np.asarray(model.optimizer.trust_ratios)
+    assert np.all(np.isfinite(ratios)) and np.all(ratios > 0)

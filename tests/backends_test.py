@@ -70,28 +70,24 @@ def _distribution(case):
     assert f"{case} OK" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution runs on JAX only")
 @pytest.mark.parametrize("case", ["data_parallel", "model_parallel"])
-def _keras_distribution_equals_one_device(case):
+def test_keras_distribution_equals_one_device(case):
     _distribution(case)
 
 
-if BACKEND == "jax":  # keras.distribution runs on JAX.
-    test_keras_distribution_equals_one_device = _keras_distribution_equals_one_device
+@pytest.mark.skipif(BACKEND != "torch", reason="Dynamo's recompilations: PyTorch only")
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_torch_compile_never_hits_the_recompile_limit(name):
+    # `model.fit` under torch.compile over 24 variables of 12 shapes, more
+    # than Dynamo's limit of 8 recompilations: a write compiled apart for
+    # each variable recompiled per shape and hit the limit (LAMB's
+    # `scaled_step`; the norm groups' size test while `np.prod` broke the
+    # graph in their loop); the norm groups also broke it with a NumPy
+    # index.
+    from tests import benchmark_scripts
 
-
-if BACKEND == "torch":  # Dynamo's recompilations: PyTorch only.
-
-    @pytest.mark.parametrize("name", ["lars", "lamb"])
-    def test_torch_compile_never_hits_the_recompile_limit(name):
-        # `model.fit` under torch.compile over 24 variables of 12 shapes, more
-        # than Dynamo's limit of 8 recompilations: a write compiled apart for
-        # each variable recompiled per shape and hit the limit (LAMB's
-        # `scaled_step`; the norm groups' size test while `np.prod` broke the
-        # graph in their loop); the norm groups also broke it with a NumPy
-        # index.
-        from tests import benchmark_scripts
-
-        compile_bench = benchmark_scripts.load("compile_bench")
-        result = compile_bench.measure_torch(name, 24, shapes=12)
-        assert result["limit_warnings"] == 0, result
-        assert result["recompiles"] == 0, result
+    compile_bench = benchmark_scripts.load("compile_bench")
+    result = compile_bench.measure_torch(name, 24, shapes=12)
+    assert result["limit_warnings"] == 0, result
+    assert result["recompiles"] == 0, result
