@@ -20,6 +20,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join("examples", "agn_digits.py")
 
 
+def shown_tail(label, log_path):
+    """What the launcher prints of a failed task's log: its last lines, or
+    that it printed nothing."""
+    from tf_lars.distribute.logs import log_tail
+
+    lines = log_tail(str(log_path))
+    if not lines:
+        return f"[launch] {label} printed nothing (its log: {log_path})\n"
+    header = f"[launch] the last {len(lines)} lines of {log_path}:\n"
+    return header + "".join(f"    {line}\n" for line in lines)
+
+
 def launcher_env():
     env = dict(os.environ)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"

@@ -111,8 +111,7 @@ def _error(command, message):
 
 
 def _quiet_python_logs():
-    # Imported here: `tf_lars.distribute` needs the TensorFlow backend.
-    from tf_lars.distribute.logs import quiet_python_logs
+    from tf_lars.cli import quiet_python_logs
 
     quiet_python_logs()
 

@@ -108,7 +108,7 @@ def _init_worker(threads):
     tf = import_tensorflow()
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    from tf_lars.distribute.logs import quiet_python_logs
+    from tf_lars.cli import quiet_python_logs
 
     quiet_python_logs()
 

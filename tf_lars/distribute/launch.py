@@ -9,7 +9,8 @@ Usage (`--help` says what each option does):
 
 One process per task, each with its own `TF_CONFIG` and `TF_LARS_RESTART`
 (whole-job restarts so far); each task's output goes to its log file
-(`tf_lars.distribute.logs`), one task is echoed here, and the state of the
+(`tf_lars.distribute.logs`), one task's stdout is echoed here, the last
+lines of a failed task's log are shown, and the state of the
 cluster is kept in `<log-dir>/cluster.json`. Ctrl-C (or SIGTERM) stops every
 task. The guides say more: docs/guides/parameter-servers.md (`--mode ps`)
 and docs/guides/multi-worker.md (`--mode sync`, exit statuses, security).
@@ -149,15 +150,17 @@ class Task:
             self.command,
             env=env,
             stdin=subprocess.DEVNULL,
+            # The echoed task's stdout is copied to the terminal; stderr
+            # (TensorFlow's and absl's logging) goes to the log only.
             stdout=subprocess.PIPE if echo else log,
-            stderr=subprocess.STDOUT,
+            stderr=log if echo else subprocess.STDOUT,
             start_new_session=True,
         )
         self._group = self.process.pid
         if echo:
             self._tee = threading.Thread(
-                target=logs.echo_task_output,
-                args=(self.process.stdout, log, self.log_path),
+                target=logs.tee_stdout,
+                args=(self.process.stdout, log),
                 daemon=True,
             )
             self._tee.start()
@@ -193,16 +196,9 @@ class Task:
         if self._tee is not None:
             self._tee.join(timeout)
 
-    def last_error(self):
-        """The error line of this task's latest run in its log, or None."""
-        try:
-            with open(self.log_path, "rb") as handle:
-                size = handle.seek(0, os.SEEK_END)
-                handle.seek(max(self._log_offset, size - (1 << 20)))
-                text = handle.read().decode("utf-8", "replace")
-        except OSError:
-            return None
-        return logs.last_error_line(text)
+    def log_tail(self):
+        """The last lines of this task's latest run in its log (a list)."""
+        return logs.log_tail(self.log_path, self._log_offset)
 
 
 def _describe_exit(code):
@@ -792,14 +788,13 @@ class _Launch:
         return EXIT_TIMEOUT
 
     def _report_error(self, task, always):
-        """One line with a non-echoed task's last error message."""
-        if task.echo:
-            return
-        line = task.last_error()
-        if line:
-            _log(f"{task.label}: {line} (full log: {task.log_path})")
+        """The last lines of a failed task's log (its stderr included)."""
+        lines = task.log_tail()
+        if lines:
+            _log(f"the last {len(lines)} lines of {task.log_path}:")
+            logs.write_lines([f"    {line}" for line in lines])
         elif always:
-            _log(f"{task.label} printed no error message (full log: {task.log_path})")
+            _log(f"{task.label} printed nothing (its log: {task.log_path})")
 
     def run(self):
         _log(f"network: {self.network}; cluster: {json.dumps(self.cluster)}")
@@ -824,6 +819,8 @@ class _Launch:
                 chief.finish_echo()
                 how = _describe_exit(code)
                 _log(f"chief exited with {how}; stopping the other tasks")
+                if code != 0:
+                    self._report_error(chief, always=True)
                 return _exit_status(code)
             if chief is None and all(t.poll() is not None for t in self.tasks):
                 return 0
@@ -903,6 +900,7 @@ class _Launch:
                 )
             else:
                 _log(f"{failed.label} exited with {how}; stopping the job ({why})")
+            failed.finish_echo()  # its last lines in the log before they are read
             self._report_error(failed, always=True)
             stop_all(self.tasks)
             for task in self.tasks:

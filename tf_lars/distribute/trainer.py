@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
-from tf_lars.distribute.logs import log_tensorflow_records_once, relay_worker_events
+from tf_lars.distribute.logs import log_tensorflow_records_once
 from tf_lars.distribute.ps_agn import ParameterServerAGN, check_strategy_and_agn
 from tf_lars.distribute.tf_config import split_address
 
@@ -379,7 +379,7 @@ class ParameterServerTrainer:
             f"period {period}, {self.num_workers} workers); "
             f"starting at commit {commits}"
         )
-        with relay_worker_events(self._log), self._ps_failures():
+        with self._ps_failures():
             while commits < target:
                 last_saved = commits
                 count = min(self.checkpoint_every, target - commits)
