@@ -186,26 +186,25 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
           Normalization](https://arxiv.org/abs/1710.02368) (ACML 2017).
         - TF contrib `tf.contrib.opt.AGNOptimizer` (the seed).
 
-    Example:
+    Examples:
+        >>> var = keras.Variable([0.0, 0.5])
+        >>> opt = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=2)
+        >>> for _ in range(2):
+        ...     opt.apply([tf.constant([-1.0, -1.0])], [var])
+        >>> var.numpy()                      # reset to the center after the commit
+        array([0.1, 0.6], dtype=float32)
+        >>> int(opt.commits.numpy())
+        1
 
-    >>> var = keras.Variable([0.0, 0.5])
-    >>> opt = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=2)
-    >>> for _ in range(2):
-    ...     opt.apply([tf.constant([-1.0, -1.0])], [var])
-    >>> var.numpy()                      # reset to the center after the commit
-    array([0.1, 0.6], dtype=float32)
-    >>> int(opt.commits.numpy())
-    1
+        With `model.fit`:
 
-    With `model.fit`:
-
-    ```python
-    model.compile(
-        optimizer=tf_lars.AGN(tf_lars.LARS(learning_rate=1.0), 10),
-        loss="sparse_categorical_crossentropy",
-    )
-    model.fit(x, y)
-    ```
+        ```python
+        model.compile(
+            optimizer=tf_lars.AGN(tf_lars.LARS(learning_rate=1.0), 10),
+            loss="sparse_categorical_crossentropy",
+        )
+        model.fit(x, y)
+        ```
     """
 
     def __init__(self, inner_optimizer, communication_period=10, name=None, **kwargs):

@@ -107,16 +107,15 @@ class LossScaleMonitor(_ScalarLogger):
         prefix: str. Prepended to both log keys (e.g. `"opt/"`). Defaults to
             `""`.
 
-    Example:
-
-    ```python
-    model.compile(optimizer=tf_lars.LossScaleOptimizer(keras.optimizers.SGD()),
-                  loss="mse")
-    history = model.fit(x, y, epochs=3,
-                        callbacks=[tf_lars.callbacks.LossScaleMonitor()])
-    history.history["loss_scale"]      # [32768.0, 32768.0, 16384.0]
-    history.history["skipped_steps"]   # [0, 0, 1]
-    ```
+    Examples:
+        ```python
+        model.compile(optimizer=tf_lars.LossScaleOptimizer(keras.optimizers.SGD()),
+                      loss="mse")
+        history = model.fit(x, y, epochs=3,
+                            callbacks=[tf_lars.callbacks.LossScaleMonitor()])
+        history.history["loss_scale"]      # [32768.0, 32768.0, 16384.0]
+        history.history["skipped_steps"]   # [0, 0, 1]
+        ```
     """
 
     def __init__(self, log_dir=None, writer=None, prefix=""):
@@ -191,16 +190,15 @@ class TrustRatioMonitor(_ScalarLogger):
         prefix: str. Prepended to each variable path to form the history and
             TensorBoard keys. Defaults to `"trust_ratio/"`.
 
-    Example:
-
-    ```python
-    model.compile(optimizer=tf_lars.LARS(1.0, trust_coefficient=0.02),
-                  loss="sparse_categorical_crossentropy")
-    monitor = tf_lars.callbacks.TrustRatioMonitor(log_every_n_batches=10)
-    history = model.fit(x, y, epochs=3, callbacks=[monitor])
-    history.history["trust_ratio/sequential/dense/kernel"]  # 3 values
-    monitor.trust_ratios.shape  # (records, number of trainable variables)
-    ```
+    Examples:
+        ```python
+        model.compile(optimizer=tf_lars.LARS(1.0, trust_coefficient=0.02),
+                      loss="sparse_categorical_crossentropy")
+        monitor = tf_lars.callbacks.TrustRatioMonitor(log_every_n_batches=10)
+        history = model.fit(x, y, epochs=3, callbacks=[monitor])
+        history.history["trust_ratio/sequential/dense/kernel"]  # 3 values
+        monitor.trust_ratios.shape  # (records, number of trainable variables)
+        ```
     """
 
     def __init__(

@@ -234,17 +234,16 @@ class DiLoCo:
         - Douillard et al., 2025. Streaming DiLoCo with overlapping
           communication. arXiv:2501.18512.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> from tf_lars.diloco import DiLoCo
-    >>> worker = DiLoCo(keras.optimizers.SGD(0.1), sync_every=2)
-    >>> w = [keras.Variable(np.ones(3, "float32"))]
-    >>> for _ in range(2):
-    ...     worker.apply([np.ones(3, "float32")], w)
-    >>> worker.outer_step(worker.pseudo_gradient(w), w)
-    >>> np.round(keras.ops.convert_to_numpy(w[0]), 4)
-    array([0.734, 0.734, 0.734], dtype=float32)
+    Examples:
+        >>> import keras, numpy as np
+        >>> from tf_lars.diloco import DiLoCo
+        >>> worker = DiLoCo(keras.optimizers.SGD(0.1), sync_every=2)
+        >>> w = [keras.Variable(np.ones(3, "float32"))]
+        >>> for _ in range(2):
+        ...     worker.apply([np.ones(3, "float32")], w)
+        >>> worker.outer_step(worker.pseudo_gradient(w), w)
+        >>> np.round(keras.ops.convert_to_numpy(w[0]), 4)
+        array([0.734, 0.734, 0.734], dtype=float32)
     """
 
     def __init__(

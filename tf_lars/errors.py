@@ -4,11 +4,10 @@ Both are public so that a program can catch them (`except
 tf_lars.MissingInternalError`); importing this module imports neither Keras
 nor TensorFlow.
 
-Example:
-
->>> import tf_lars
->>> issubclass(tf_lars.UnsupportedVersionError, ImportError)
-True
+Examples:
+    >>> import tf_lars
+    >>> issubclass(tf_lars.UnsupportedVersionError, ImportError)
+    True
 """
 
 __all__ = ["MissingInternalError", "UnsupportedVersionError"]
@@ -21,15 +20,14 @@ class UnsupportedVersionError(ImportError):
     versions and the supported range (`docs/guides/versions.md`). Setting
     `TF_LARS_SKIP_VERSION_CHECK=1` tries anyway.
 
-    Example:
-
-    >>> import tf_lars
-    >>> try:
-    ...     optimizer = tf_lars.LARS(0.1)
-    ... except tf_lars.UnsupportedVersionError as error:
-    ...     print("upgrade:", error)
-    >>> isinstance(optimizer, tf_lars.LARS)
-    True
+    Examples:
+        >>> import tf_lars
+        >>> try:
+        ...     optimizer = tf_lars.LARS(0.1)
+        ... except tf_lars.UnsupportedVersionError as error:
+        ...     print("upgrade:", error)
+        >>> isinstance(optimizer, tf_lars.LARS)
+        True
     """
 
 
@@ -40,10 +38,9 @@ class MissingInternalError(RuntimeError):
     feature that needs it and the installed TensorFlow and Keras versions:
     a newer release than tf_lars was tested with changed what it relies on.
 
-    Example:
-
-    >>> import tf_lars
-    >>> error = tf_lars.MissingInternalError("tf_lars LAMB needs `Adam._momentums`")
-    >>> isinstance(error, RuntimeError)
-    True
+    Examples:
+        >>> import tf_lars
+        >>> error = tf_lars.MissingInternalError("tf_lars LAMB needs `Adam._momentums`")
+        >>> isinstance(error, RuntimeError)
+        True
     """

@@ -105,26 +105,42 @@ class LAMB(TrustRatio):
         eps_root: float >= 0. Added to `v_hat` inside the square root:
             `m_hat / (sqrt(v_hat + eps_root) + epsilon)` (optax's
             `eps_root`). Defaults to `0.0`.
-        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-        ema_overwrite_frequency, loss_scale_factor,
-        gradient_accumulation_steps: the `keras.optimizers.Optimizer` base
-            arguments. Default to Keras's defaults.
+        clipnorm: float or None. Clips each variable's gradient to this norm
+            before the step (Keras's base argument). Defaults to `None`.
+        clipvalue: float or None. Clips each gradient entry to
+            `[-clipvalue, clipvalue]`. Defaults to `None`.
+        global_clipnorm: float or None. Clips all gradients together to this
+            global norm. Defaults to `None`.
+        use_ema: bool. Keeps an exponential moving average of the weights
+            (Keras's base argument). Defaults to `False`.
+        ema_momentum: float. The moving average's momentum, with
+            `use_ema=True`. Defaults to `0.99`.
+        ema_overwrite_frequency: int or None. With `use_ema=True`, every this
+            many steps the weights are replaced by their average; `None`
+            leaves that to `optimizer.finalize_variable_values()`. Defaults
+            to `None`.
+        loss_scale_factor: float or None. Multiplies the loss and divides the
+            gradients by this fixed factor (for mixed precision, prefer
+            `tf_lars.LossScaleOptimizer`). Defaults to `None`.
+        gradient_accumulation_steps: int or None. Applies one update every
+            this many batches, with the mean of their gradients; a schedule
+            then counts updates, not batches (docs/algorithms.md, "Gradient
+            accumulation"). Defaults to `None`.
         name: str or None. Defaults to `None` (numbered `lamb`, `lamb_1`, ...).
 
     References:
         - [You et al. 2019: Large Batch Optimization for Deep Learning:
           Training BERT in 76 minutes](https://arxiv.org/abs/1904.00962)
 
-    Example:
-
-    >>> import keras, tf_lars
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> optimizer = tf_lars.LAMB(
-    ...     learning_rate=1e-3, weight_decay=0.01,
-    ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
-    >>> model.compile(optimizer=optimizer, loss="mse")
-    >>> isinstance(optimizer.inner_optimizer, keras.optimizers.Adam)
-    True
+    Examples:
+        >>> import keras, tf_lars
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> optimizer = tf_lars.LAMB(
+        ...     learning_rate=1e-3, weight_decay=0.01,
+        ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
+        >>> model.compile(optimizer=optimizer, loss="mse")
+        >>> isinstance(optimizer.inner_optimizer, keras.optimizers.Adam)
+        True
     """
 
     def __init__(

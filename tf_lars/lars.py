@@ -137,14 +137,13 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         - [You, Gitman, Ginsburg 2017: Large Batch Training of Convolutional
           Networks](https://arxiv.org/abs/1708.03888)
 
-    Example:
-
-    >>> import keras, tf_lars
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> optimizer = tf_lars.LARS(
-    ...     learning_rate=1.0, weight_decay=1e-4, trust_coefficient=0.02,
-    ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
-    >>> model.compile(optimizer=optimizer, loss="mse")
+    Examples:
+        >>> import keras, tf_lars
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> optimizer = tf_lars.LARS(
+        ...     learning_rate=1.0, weight_decay=1e-4, trust_coefficient=0.02,
+        ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
+        >>> model.compile(optimizer=optimizer, loss="mse")
     """
 
     #: `TrustRatio` refuses LARS as its inner optimizer (two trust ratios).

@@ -191,7 +191,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
             optimizer; not itself a loss-scale optimizer). Its own
             `loss_scale_factor` is set to `None`.
         initial_scale: float. The loss scale at the start, a finite number
-            > 0. Defaults to `2**15`.
+            greater than 0. Defaults to `2**15`.
         dynamic: bool. Whether the scale adapts (halves on a non-finite step,
             doubles after `dynamic_growth_steps` finite steps in a row).
             Defaults to `True`.
@@ -210,31 +210,30 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
           TF contrib `LossScaleOptimizer` / `FixedLossScaleManager` (the
           fixed one).
 
-    Example:
+    Examples:
+        Custom training loop:
 
-    Custom training loop:
+        >>> var = keras.Variable([1.0, 2.0])
+        >>> opt = tf_lars.LossScaleOptimizer(keras.optimizers.SGD(0.5),
+        ...                                  initial_scale=8.0)
+        >>> with tf.GradientTape() as tape:
+        ...     loss = tf.reduce_sum(var * var) / 2.0
+        ...     scaled = opt.scale_loss(loss)      # loss * 8
+        >>> grads = tape.gradient(scaled, [var])   # [8.0, 16.0]
+        >>> opt.apply(grads, [var])                # applies [1.0, 2.0]
+        >>> var.numpy()
+        array([0.5, 1. ], dtype=float32)
 
-    >>> var = keras.Variable([1.0, 2.0])
-    >>> opt = tf_lars.LossScaleOptimizer(keras.optimizers.SGD(0.5),
-    ...                                  initial_scale=8.0)
-    >>> with tf.GradientTape() as tape:
-    ...     loss = tf.reduce_sum(var * var) / 2.0
-    ...     scaled = opt.scale_loss(loss)      # loss * 8
-    >>> grads = tape.gradient(scaled, [var])   # [8.0, 16.0]
-    >>> opt.apply(grads, [var])                # applies [1.0, 2.0]
-    >>> var.numpy()
-    array([0.5, 1. ], dtype=float32)
+        With `model.fit`:
 
-    With `model.fit`:
-
-    ```python
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model.compile(
-        optimizer=tf_lars.LossScaleOptimizer(tf_lars.LARS(learning_rate=1.0)),
-        loss="mse",
-    )
-    model.fit(x, y, callbacks=[tf_lars.callbacks.LossScaleMonitor()])
-    ```
+        ```python
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        model.compile(
+            optimizer=tf_lars.LossScaleOptimizer(tf_lars.LARS(learning_rate=1.0)),
+            loss="mse",
+        )
+        model.fit(x, y, callbacks=[tf_lars.callbacks.LossScaleMonitor()])
+        ```
     """
 
     def __init__(

@@ -57,10 +57,9 @@ def linear_scaled_learning_rate(base_learning_rate, batch_size, base_batch_size=
     References:
         - [Goyal et al., 2017](https://arxiv.org/abs/1706.02677)
 
-    Example:
-
-    >>> tf_lars.schedules.linear_scaled_learning_rate(0.1, 1024)
-    0.4
+    Examples:
+        >>> tf_lars.schedules.linear_scaled_learning_rate(0.1, 1024)
+        0.4
     """
     base_learning_rate = check_positive("base_learning_rate", base_learning_rate)
     batch_size = check_int("batch_size", batch_size, 1)
@@ -115,18 +114,17 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
         - [MLPerf Training ResNet-50 reference, `lars_util.py`](
           https://github.com/mlcommons/training/blob/master/image_classification/tensorflow2/lars_util.py)
 
-    Example:
-
-    >>> steps_per_epoch = 1347 // 256
-    >>> schedule = tf_lars.schedules.WarmupPolynomialDecay(
-    ...     peak_learning_rate=tf_lars.schedules.linear_scaled_learning_rate(
-    ...         0.1, 256, base_batch_size=32),
-    ...     warmup_steps=5 * steps_per_epoch,
-    ...     decay_steps=95 * steps_per_epoch,
-    ... )
-    >>> optimizer = tf_lars.LARS(learning_rate=schedule, trust_coefficient=0.02)
-    >>> [round(float(schedule(step)), 4) for step in (0, 5, 25, 260, 500)]
-    [0.0, 0.16, 0.8, 0.2042, 0.0]
+    Examples:
+        >>> steps_per_epoch = 1347 // 256
+        >>> schedule = tf_lars.schedules.WarmupPolynomialDecay(
+        ...     peak_learning_rate=tf_lars.schedules.linear_scaled_learning_rate(
+        ...         0.1, 256, base_batch_size=32),
+        ...     warmup_steps=5 * steps_per_epoch,
+        ...     decay_steps=95 * steps_per_epoch,
+        ... )
+        >>> optimizer = tf_lars.LARS(learning_rate=schedule, trust_coefficient=0.02)
+        >>> [round(float(schedule(step)), 4) for step in (0, 5, 25, 260, 500)]
+        [0.0, 0.16, 0.8, 0.2042, 0.0]
     """
 
     def __init__(

@@ -78,11 +78,29 @@ class TrustRatio(
             weight-decay list (Model Garden's convention, not optax's: see
             docs/algorithms.md, "Exclusion lists and masks"; pass `[]` to
             adapt every variable).
-        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-        ema_overwrite_frequency, loss_scale_factor,
-        gradient_accumulation_steps: the `keras.optimizers.Optimizer` base
-            arguments, applied by the wrapper to the gradient before the
-            inner optimizer sees it. Default to Keras's defaults.
+        clipnorm: float or None. Clips each variable's gradient to this norm
+            before the step (Keras's base argument; the wrapper applies it,
+            and the other gradient arguments below, before the inner
+            optimizer sees the gradient). Defaults to `None`.
+        clipvalue: float or None. Clips each gradient entry to
+            `[-clipvalue, clipvalue]`. Defaults to `None`.
+        global_clipnorm: float or None. Clips all gradients together to this
+            global norm. Defaults to `None`.
+        use_ema: bool. Keeps an exponential moving average of the weights
+            (Keras's base argument). Defaults to `False`.
+        ema_momentum: float. The moving average's momentum, with
+            `use_ema=True`. Defaults to `0.99`.
+        ema_overwrite_frequency: int or None. With `use_ema=True`, every this
+            many steps the weights are replaced by their average; `None`
+            leaves that to `optimizer.finalize_variable_values()`. Defaults
+            to `None`.
+        loss_scale_factor: float or None. Multiplies the loss and divides the
+            gradients by this fixed factor (for mixed precision, prefer
+            `tf_lars.LossScaleOptimizer`). Defaults to `None`.
+        gradient_accumulation_steps: int or None. Applies one update every
+            this many batches, with the mean of their gradients; a schedule
+            then counts updates, not batches (docs/algorithms.md, "Gradient
+            accumulation"). Defaults to `None`.
         name: str or None. Defaults to `None` (numbered `trust_ratio`,
             `trust_ratio_1`, ...).
 
@@ -96,16 +114,15 @@ class TrustRatio(
         - [You, Gitman, Ginsburg 2017: Large Batch Training of Convolutional
           Networks](https://arxiv.org/abs/1708.03888)
 
-    Example:
-
-    >>> import keras, tf_lars
-    >>> optimizer = tf_lars.TrustRatio(
-    ...     keras.optimizers.Lion(learning_rate=1e-4), weight_decay=1e-2,
-    ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
-    >>> w = keras.Variable([[3.0, 4.0]])
-    >>> optimizer.apply([keras.ops.convert_to_tensor([[1.0, -1.0]])], [w])
-    >>> round(float(optimizer.trust_ratios[0]), 3)  # |w| / |sign(g) + 0.01 w|
-    3.551
+    Examples:
+        >>> import keras, tf_lars
+        >>> optimizer = tf_lars.TrustRatio(
+        ...     keras.optimizers.Lion(learning_rate=1e-4), weight_decay=1e-2,
+        ...     exclude_from_weight_decay=[tf_lars.lars.ALL_1D])
+        >>> w = keras.Variable([[3.0, 4.0]])
+        >>> optimizer.apply([keras.ops.convert_to_tensor([[1.0, -1.0]])], [w])
+        >>> round(float(optimizer.trust_ratios[0]), 3)  # |w| / |sign(g) + 0.01 w|
+        3.551
     """
 
     def __init__(

@@ -226,10 +226,9 @@ def default_config_path(command):
         A `pathlib.Path` or `importlib.resources` traversable (both have
         `read_text` and `read_bytes`).
 
-    Example:
-
-    >>> default_config_path("train").name
-    'train.yaml'
+    Examples:
+        >>> default_config_path("train").name
+        'train.yaml'
     """
     try:
         packaged = importlib.resources.files("tf_lars.cli.configs")
@@ -573,11 +572,10 @@ def validate_config(command, config):
         ConfigError: the first problem: an unknown key, else the first
             refused value in the order of the keys.
 
-    Example:
-
-    >>> config = validate_config("train", default_config("train"))
-    >>> config["training"]["epochs"]
-    100
+    Examples:
+        >>> config = validate_config("train", default_config("train"))
+        >>> config["training"]["epochs"]
+        100
     """
     schema = SCHEMAS[command]
     try:
@@ -800,13 +798,12 @@ def build_optimizer(spec, learning_rate=None):
 def optimizer_from_block(block, learning_rate=None, key="optimizer"):
     """`build_optimizer(optimizer_spec(block, key), learning_rate)`.
 
-    Example:
-
-    >>> optimizer = optimizer_from_block(
-    ...     {"class_name": "SGD", "config": {"momentum": 0.9}}, learning_rate=0.1
-    ... )
-    >>> type(optimizer).__name__, float(optimizer.momentum)
-    ('SGD', 0.9)
+    Examples:
+        >>> optimizer = optimizer_from_block(
+        ...     {"class_name": "SGD", "config": {"momentum": 0.9}}, learning_rate=0.1
+        ... )
+        >>> type(optimizer).__name__, float(optimizer.momentum)
+        ('SGD', 0.9)
     """
     return build_optimizer(optimizer_spec(block, key), learning_rate)
 
@@ -857,10 +854,9 @@ def apply_overrides(config, overrides):
         ConfigError: a string without `=`, or a key that does not lead to a
             block or a list index.
 
-    Example:
-
-    >>> apply_overrides({"training": {"epochs": 1}}, ["training.epochs=1e1"])
-    {'training': {'epochs': 10.0}}
+    Examples:
+        >>> apply_overrides({"training": {"epochs": 1}}, ["training.epochs=1e1"])
+        {'training': {'epochs': 10.0}}
     """
     config = copy.deepcopy(config)
     for override in overrides:
@@ -898,10 +894,9 @@ def load_config(command, path=None, overrides=()):
         ConfigError: on a missing or unreadable file, an unknown key, a value
             of the wrong type or out of range.
 
-    Example:
-
-    >>> load_config("sweep", overrides=["sweep.workers=1"])["sweep"]["workers"]
-    1
+    Examples:
+        >>> load_config("sweep", overrides=["sweep.workers=1"])["sweep"]["workers"]
+        1
     """
     config = default_config(command)
     if path is not None:

@@ -231,11 +231,10 @@ def main(argv=None):
         with a one-line message on stderr; 130 after a Ctrl-C, 143 after a
         SIGTERM.
 
-    Example:
-
-    >>> from tf_lars.cli.main import main
-    >>> main(["train", "--set", "training.epochs=20"])  # doctest: +SKIP
-    0
+    Examples:
+        >>> from tf_lars.cli.main import main
+        >>> main(["train", "--set", "training.epochs=20"])  # doctest: +SKIP
+        0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -405,7 +405,8 @@ def preflight(command, config, overwrite=False):
         is known only once TensorFlow reads the cluster).
 
     Raises:
-        ConfigError, DataError: the first problem found.
+        ConfigError: the first problem found in the config.
+        DataError: the first problem found in the data.
     """
     from tf_lars.cli.data import load_data
 

@@ -397,8 +397,11 @@ def run(config, data=None, folder=None, overwrite=False):
         The exit status, 0.
 
     Raises:
-        ConfigError, DataError: before any file is written or process started
-            (a grid point whose learning rate is out of range included).
+        ConfigError: a bad config, before any file is written or process
+            started (a grid point whose learning rate is out of range
+            included).
+        DataError: unusable data, before any file is written or process
+            started.
         tf_lars.cli.preflight.Interrupted: on Ctrl-C, after writing the
             finished trainings and their table.
         WorkerLost: a worker process died (killed); the same files written.

@@ -734,7 +734,9 @@ def run(config, data=None, folder=None, overwrite=False):
         The exit status, 0 (a diverged run included).
 
     Raises:
-        ConfigError, DataError, TFConfigError: before any file is written.
+        ConfigError: a bad config, before any file is written.
+        DataError: unusable data, before any file is written.
+        TFConfigError: a bad `TF_CONFIG`, before any file is written.
         tf_lars.cli.preflight.Interrupted: on Ctrl-C.
     """
     from tf_lars.cli.preflight import preflight

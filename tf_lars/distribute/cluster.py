@@ -64,12 +64,11 @@ def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
     Returns:
         dict from task type to a list of `"host:port"` addresses.
 
-    Example:
-
-    ```python
-    local_cluster(2, 0, mode="sync")
-    # {'worker': ['localhost:41029', 'localhost:48881']}
-    ```
+    Examples:
+        ```python
+        local_cluster(2, 0, mode="sync")
+        # {'worker': ['localhost:41029', 'localhost:48881']}
+        ```
     """
     if mode not in ("ps", "sync"):
         raise ValueError(f"`mode` must be 'ps' or 'sync'. Received: mode={mode!r}")

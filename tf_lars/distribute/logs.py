@@ -15,20 +15,19 @@ and where it goes decides who sees it.
   terminal as well; TensorFlow and absl log to stderr, which goes to the
   log only. When a task fails, `log_tail` gives the last lines of its run.
 
-Example:
+Examples:
+    ```python
+    import os
+    import tempfile
 
-```python
-import os
-import tempfile
+    from tf_lars.distribute.logs import log_tail
 
-from tf_lars.distribute.logs import log_tail
-
-path = os.path.join(tempfile.mkdtemp(), "worker-0.log")
-with open(path, "w") as log:
-    log.write("[agn] commits 20/200\nTraceback ...\nerror: the loss is NaN\n")
-log_tail(path, lines=2)
-# ['Traceback ...', 'error: the loss is NaN']
-```
+    path = os.path.join(tempfile.mkdtemp(), "worker-0.log")
+    with open(path, "w") as log:
+        log.write("[agn] commits 20/200\nTraceback ...\nerror: the loss is NaN\n")
+    log_tail(path, lines=2)
+    # ['Traceback ...', 'error: the loss is NaN']
+    ```
 """
 
 import logging

@@ -134,16 +134,15 @@ def enable_multi_worker_fit(model):
     Returns:
         The same model.
 
-    Example:
-
-    ```python
-    strategy = tf_lars.distribute.multi_worker_strategy()
-    with strategy.scope():
-        model = make_model()
-        model.compile(tf_lars.LARS(1.0), "sparse_categorical_crossentropy")
-    tf_lars.distribute.enable_multi_worker_fit(model)
-    model.fit(dataset, epochs=2)
-    ```
+    Examples:
+        ```python
+        strategy = tf_lars.distribute.multi_worker_strategy()
+        with strategy.scope():
+            model = make_model()
+            model.compile(tf_lars.LARS(1.0), "sparse_categorical_crossentropy")
+        tf_lars.distribute.enable_multi_worker_fit(model)
+        model.fit(dataset, epochs=2)
+        ```
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a keras.Model. Received: model={model!r}")
@@ -263,11 +262,10 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
     Raises:
         TFConfigError: a malformed `TF_CONFIG`, or one with `ps` tasks.
 
-    Example:
-
-    ```python
-    strategy = tf_lars.distribute.multi_worker_strategy()  # reads TF_CONFIG
-    ```
+    Examples:
+        ```python
+        strategy = tf_lars.distribute.multi_worker_strategy()  # reads TF_CONFIG
+        ```
     """
     if config is None:
         config = tf_config_lib.parse_tf_config(mode="sync")
@@ -530,17 +528,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         restored_epoch: int. The epoch the last `fit` resumed at (0: it
             found no backup and started from the beginning).
 
-    Example:
-
-    ```python
-    strategy = tf_lars.distribute.multi_worker_strategy()
-    with strategy.scope():
-        model = make_model()
-        model.compile(tf_lars.LARS(schedule), "sparse_categorical_crossentropy")
-    tf_lars.distribute.enable_multi_worker_fit(model)
-    backup = tf_lars.distribute.BackupAndRestore("/shared/run1/backup")
-    model.fit(dataset, epochs=90, callbacks=[backup])
-    ```
+    Examples:
+        ```python
+        strategy = tf_lars.distribute.multi_worker_strategy()
+        with strategy.scope():
+            model = make_model()
+            model.compile(tf_lars.LARS(schedule), "sparse_categorical_crossentropy")
+        tf_lars.distribute.enable_multi_worker_fit(model)
+        backup = tf_lars.distribute.BackupAndRestore("/shared/run1/backup")
+        model.fit(dataset, epochs=90, callbacks=[backup])
+        ```
     """
 
     def __init__(self, backup_dir, delete_checkpoint=True):

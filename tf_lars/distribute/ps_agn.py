@@ -175,25 +175,24 @@ class ParameterServerAGN:
         local_steps: `agn.local_steps`, local steps committed by all workers
             together.
 
-    Example:
+    Examples:
+        ```python
+        with strategy.scope():
+            model = make_model()
+            agn = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=10)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        ps_agn = ParameterServerAGN(agn, strategy, model.trainable_variables)
 
-    ```python
-    with strategy.scope():
-        model = make_model()
-        agn = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=10)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    ps_agn = ParameterServerAGN(agn, strategy, model.trainable_variables)
+        @tf.function
+        def round_fn(batches):
+            ps_agn.pull()
+            for x, y in batches:  # communication_period batches
+                ...  # grads of ps_agn.scale_loss(loss) wrt ps_agn.local_variables
+                ps_agn.local_update(grads)
+            return ps_agn.commit()
 
-    @tf.function
-    def round_fn(batches):
-        ps_agn.pull()
-        for x, y in batches:  # communication_period batches
-            ...  # grads of ps_agn.scale_loss(loss) wrt ps_agn.local_variables
-            ps_agn.local_update(grads)
-        return ps_agn.commit()
-
-    coordinator.schedule(round_fn, args=(per_worker_iterator,))
-    ```
+        coordinator.schedule(round_fn, args=(per_worker_iterator,))
+        ```
     """
 
     def __init__(self, agn, strategy, model_variables=None, name=None):

@@ -33,18 +33,17 @@ def run_main(main, *args, **kwargs):
     Raises:
         SystemExit: always, with the status above.
 
-    Example:
+    Examples:
+        ```python
+        from tf_lars import distribute
 
-    ```python
-    from tf_lars import distribute
+        def main():
+            config = distribute.parse_tf_config(mode="sync")
+            ...
 
-    def main():
-        config = distribute.parse_tf_config(mode="sync")
-        ...
-
-    if __name__ == "__main__":
-        distribute.run_main(main)
-    ```
+        if __name__ == "__main__":
+            distribute.run_main(main)
+        ```
     """
     if not callable(main):
         raise ValueError(f"`main` must be callable. Received: main={main!r}")

@@ -176,19 +176,18 @@ class ParameterServerTrainer:
         log: callable taking a str, for progress lines. Defaults to `print`
             (flushed).
 
-    Example:
-
-    ```python
-    strategy, coordinator = tf_lars.distribute.connect(config)
-    with strategy.scope():
-        model = make_model()
-        optimizer = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=10)
-    trainer = tf_lars.distribute.ParameterServerTrainer(
-        model, "sparse_categorical_crossentropy", optimizer, dataset_fn,
-        strategy, coordinator=coordinator, checkpoint_dir="/tmp/ckpt")
-    trainer.fit(steps_per_worker=1000)
-    print(trainer.evaluate(x_test, y_test))
-    ```
+    Examples:
+        ```python
+        strategy, coordinator = tf_lars.distribute.connect(config)
+        with strategy.scope():
+            model = make_model()
+            optimizer = tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=10)
+        trainer = tf_lars.distribute.ParameterServerTrainer(
+            model, "sparse_categorical_crossentropy", optimizer, dataset_fn,
+            strategy, coordinator=coordinator, checkpoint_dir="/tmp/ckpt")
+        trainer.fit(steps_per_worker=1000)
+        print(trainer.evaluate(x_test, y_test))
+        ```
     """
 
     def __init__(
