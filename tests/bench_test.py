@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests import benchmark_scripts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -273,3 +275,49 @@ def test_with_kernel_swaps_the_kernel_for_that_optimizer_only():
     assert " dot(" not in optimized_hlo(swapped)
     assert " dot(" in optimized_hlo(tf_lars.LARS(0.1))
     assert _kernels.norms is _tf_fast.norms
+
+
+# ------------------------------------------ benchmarks/compile_profile.py
+compile_profile = benchmark_scripts.load("compile_profile")
+
+
+def test_profile_splits_trace_from_compile_and_counts_kernels(capsys):
+    # Each case runs in a fresh process; 12 tiny variables in stacks of at
+    # most 4 (so three stacks per shape), and the lowering of two op types.
+    assert (
+        compile_profile.main(
+            [
+                "phases",
+                "--sizes",
+                "12",
+                "--only",
+                "lars",
+                "--stacked-rows",
+                "4",
+                "--kernels",
+            ]
+        )
+        == 0
+    )
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == 1 and rows[0][:3] == ["12", "lars", "4"], rows
+    trace, compile_s, kernels = float(rows[0][3]), float(rows[0][4]), int(rows[0][5])
+    assert trace > 0 and compile_s > 0 and kernels > 0
+    assert compile_profile.main(["ops", "--ops", "Mul", "Sqrt", "--count", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["Mul", "3"], ["Sqrt", "3"]], rows
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["phases", "--sizes", "0"], "--sizes must be >= 1, got 0"),
+        (["phases", "--stacked-rows", "-2"], "--stacked-rows must be >= 1, got -2"),
+        (["ops", "--count", "0"], "--count must be >= 1, got 0"),
+    ],
+)
+def test_profile_refuses_bad_counts(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        compile_profile.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err

@@ -152,51 +152,6 @@ def test_instruction_count_reads_tuple_shaped_results():
     ]
 
 
-compile_profile = benchmark_scripts.load("compile_profile")
-
-
-def test_profile_splits_trace_from_compile_and_counts_kernels(capsys):
-    # Each case runs in a fresh process; 12 tiny variables in stacks of at
-    # most 4 (so three stacks per shape), and the lowering of two op types.
-    assert (
-        compile_profile.main(
-            [
-                "phases",
-                "--sizes",
-                "12",
-                "--only",
-                "lars",
-                "--stacked-rows",
-                "4",
-                "--kernels",
-            ]
-        )
-        == 0
-    )
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert len(rows) == 1 and rows[0][:3] == ["12", "lars", "4"], rows
-    trace, compile_s, kernels = float(rows[0][3]), float(rows[0][4]), int(rows[0][5])
-    assert trace > 0 and compile_s > 0 and kernels > 0
-    assert compile_profile.main(["ops", "--ops", "Mul", "Sqrt", "--count", "3"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [row[:2] for row in rows] == [["Mul", "3"], ["Sqrt", "3"]], rows
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["phases", "--sizes", "0"], "--sizes must be >= 1, got 0"),
-        (["phases", "--stacked-rows", "-2"], "--stacked-rows must be >= 1, got -2"),
-        (["ops", "--count", "0"], "--count must be >= 1, got 0"),
-    ],
-)
-def test_profile_refuses_bad_counts(argv, message, capsys):
-    with pytest.raises(SystemExit) as stop:
-        compile_profile.main(argv)
-    assert stop.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 def test_torch_case_variables_take_the_asked_number_of_shapes(capsys):
     # `--shapes 12`: more shapes than Dynamo's recompile limit of 8.
     assert {compile_bench.variable_shape(i, 12) for i in range(24)} == {
