@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import tf_lars
+from tests import harness
 from tests import optimizer_table as under_test
 from tf_lars.lars import ALL_1D
 
@@ -63,55 +64,11 @@ TOLERANCE = {
 
 
 def _problem(dtype, seed=0, shapes=SHAPES, steps=STEPS, scale=0.1):
-    rng = np.random.default_rng(seed)
-    weights = [rng.normal(size=s).astype(dtype) for s in shapes]
-    grads = [
-        [rng.normal(scale=scale, size=s).astype(dtype) for s in shapes]
-        for _ in range(steps)
-    ]
-    return weights, grads
+    return harness.random_problem(dtype, shapes, steps, seed, scale)
 
 
-def _tensor(value, dtype):
-    return keras.ops.convert_to_tensor(np.asarray(value), dtype=dtype)
-
-
-def _stateless(optimizer, variables, jit):
-    """`apply` through `stateless_apply` (what the JAX trainer calls)."""
-    import jax
-
-    apply = jax.jit(optimizer.stateless_apply) if jit else optimizer.stateless_apply
-
-    def step(grads):
-        new_train, new_state = apply(
-            [v.value for v in optimizer.variables],
-            grads,
-            [v.value for v in variables],
-        )
-        for variable, value in zip(variables, new_train, strict=True):
-            variable.assign(value)
-        for variable, value in zip(optimizer.variables, new_state, strict=True):
-            variable.assign(value)
-
-    return step
-
-
-def _applier(optimizer, variables, mode):
-    """A function `step(grads)` that applies `grads` to `variables` in `mode`."""
-    optimizer.build(variables)
-    if mode == "eager":
-        optimizer.jit_compile = False
-    if mode in ("stateless", "jit") and BACKEND == "jax":
-        return _stateless(optimizer, variables, jit=mode == "jit")
-
-    def step(grads):
-        optimizer.apply(grads, variables)
-
-    if mode in ("function", "jit"):
-        import tensorflow as tf
-
-        return tf.function(step, jit_compile=mode == "jit")
-    return step
+_tensor = harness.tensor
+_applier = harness.step_function
 
 
 def _run(row, weights, grads, dtype, mode):

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lars
+from tests import harness
 from tests import lamb_reference as ref
 from tf_lars import _tf_fast
 from tf_lars.lars import ALL_1D
@@ -20,34 +21,11 @@ LR = 2.0**-4  # exact in float32: the references use the same rate
 
 
 def _problem(dtype, seed=0, scale=0.1):
-    rng = np.random.default_rng(seed)
-    weights = [rng.normal(size=s).astype(dtype) for s in SHAPES]
-    grads = [
-        [rng.normal(scale=scale, size=s).astype(dtype) for s in SHAPES]
-        for _ in range(STEPS)
-    ]
-    return weights, grads
+    return harness.random_problem(dtype, SHAPES, STEPS, seed, scale)
 
 
-def _run(optimizer, weights, grads, dtype, mode="eager_compiled", paths=None):
-    if paths is None:
-        variables = [keras.Variable(w, dtype=dtype) for w in weights]
-    else:
-        variables = [
-            keras.Variable(w, dtype=dtype, name=p)
-            for w, p in zip(weights, paths, strict=True)
-        ]
-
-    def apply_step(gradients):
-        optimizer.apply(gradients, variables)
-
-    if mode in ("function", "xla"):
-        optimizer.build(variables)
-        apply_step = tf.function(apply_step, jit_compile=mode == "xla")
-    elif mode == "eager":
-        optimizer.jit_compile = False
-    for step_grads in grads:
-        apply_step([tf.constant(g, dtype=dtype) for g in step_grads])
+def _run(optimizer, weights, grads, dtype, mode="default", paths=None):
+    variables = harness.run_steps(optimizer, weights, grads, dtype, mode, paths)
     return [v.numpy() for v in variables]
 
 
@@ -60,7 +38,7 @@ def _close(actual, expected, dtype):
 # ------------------------------------------------------- the mapping table
 # "function" (tf.function without XLA) takes LAMB's fused kernel path
 # (`tf_lars._tf_fast.adam_direction`); the other modes compile with XLA.
-@pytest.mark.parametrize("mode", ["eager_compiled", "function"])
+@pytest.mark.parametrize("mode", ["default", "function"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_row_optax_lamb(dtype, mode):
     weights, grads = _problem(dtype)
@@ -72,7 +50,7 @@ def test_row_optax_lamb(dtype, mode):
     _close(actual, expected, dtype)
 
 
-@pytest.mark.parametrize("mode", ["eager_compiled", "function"])
+@pytest.mark.parametrize("mode", ["default", "function"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_row_paper_algorithm_2(dtype, mode):
     weights, grads = _problem(dtype, seed=1)

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lars
+from tests import harness
 from tests import lars_reference as ref
 from tf_lars.lars import ALL_1D
 
@@ -44,13 +45,7 @@ BASE = {
 
 
 def _problem(dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    weights = [rng.normal(size=s).astype(dtype) for s in SHAPES]
-    grads = [
-        [rng.normal(scale=0.1, size=s).astype(dtype) for s in SHAPES]
-        for _ in range(STEPS)
-    ]
-    return weights, grads
+    return harness.random_problem(dtype, SHAPES, STEPS, seed)
 
 
 def _run_numpy(weights, grads, lr, config, decayed=None, adapted=None):
@@ -75,24 +70,7 @@ def _run_numpy(weights, grads, lr, config, decayed=None, adapted=None):
 
 
 def _run_tf(weights, grads, optimizer, mode, dtype):
-    variables = [keras.Variable(w, dtype=dtype) for w in weights]
-    if mode in ("function", "xla"):
-        optimizer.build(variables)
-
-    def apply_step(gradients):
-        optimizer.apply(gradients, variables)
-
-    if mode == "eager":
-        optimizer.jit_compile = False
-    elif mode == "function":
-        apply_step = tf.function(apply_step)
-    elif mode == "xla":
-        apply_step = tf.function(apply_step, jit_compile=True)
-    elif mode != "eager_compiled":
-        raise AssertionError(mode)
-    for step_grads in grads:
-        apply_step([tf.constant(g, dtype=dtype) for g in step_grads])
-    return variables
+    return harness.run_steps(optimizer, weights, grads, dtype, mode)
 
 
 def _tolerance(dtype):
@@ -104,7 +82,7 @@ def _tolerance(dtype):
 # seven times the eager steps, and the compiled float64 path is the contract
 # table's (tests/contract_test.py, `test_apply_follows_the_numpy_reference`
 # with float64 on each LARS row).
-MODE_OF = {"float32": "eager_compiled", "float64": "eager"}
+MODE_OF = {"float32": "default", "float64": "eager"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -220,7 +198,7 @@ def test_anchor_model_garden_and_optax(nesterov):
             nesterov=nesterov,
             trust_ratio="decayed",
         )
-        variables = _run_tf(weights, grads, optimizer, "eager_compiled", "float64")
+        variables = _run_tf(weights, grads, optimizer, "default", "float64")
         for i, variable in enumerate(variables):
             w, v = np.array(weights[i], np.float64), np.zeros(SHAPES[i])
             for step in range(STEPS):
@@ -246,7 +224,7 @@ def test_anchor_timm_and_larc_clip():
         epsilon=eps,
         trust_clip=True,
     )
-    variables = _run_tf(weights, grads, optimizer, "eager_compiled", "float64")
+    variables = _run_tf(weights, grads, optimizer, "default", "float64")
     clipped_somewhere = False
     for i, variable in enumerate(variables):
         w, buf = np.array(weights[i], np.float64), np.zeros(SHAPES[i])

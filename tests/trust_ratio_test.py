@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lars
+from tests import harness
 from tests import lamb_reference as ref
 from tests import lars_reference as lars_ref
 from tf_lars.lars import ALL_1D
@@ -48,36 +49,11 @@ INNER = {
 
 
 def _problem(dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    weights = [rng.normal(size=s).astype(dtype) for s in SHAPES]
-    grads = [
-        [rng.normal(scale=0.1, size=s).astype(dtype) for s in SHAPES]
-        for _ in range(STEPS)
-    ]
-    return weights, grads
+    return harness.random_problem(dtype, SHAPES, STEPS, seed)
 
 
-def _variables(weights, dtype):
-    return [
-        keras.Variable(w, dtype=dtype, name=p)
-        for w, p in zip(weights, PATHS, strict=True)
-    ]
-
-
-def _run(optimizer, weights, grads, dtype, mode="eager_compiled"):
-    variables = _variables(weights, dtype)
-
-    def apply_step(gradients):
-        optimizer.apply(gradients, variables)
-
-    if mode in ("function", "xla"):
-        optimizer.build(variables)
-        apply_step = tf.function(apply_step, jit_compile=mode == "xla")
-    elif mode == "eager":
-        optimizer.jit_compile = False
-    for step_grads in grads:
-        apply_step([tf.constant(g, dtype=dtype) for g in step_grads])
-    return variables
+def _run(optimizer, weights, grads, dtype, mode="default"):
+    return harness.run_steps(optimizer, weights, grads, dtype, mode, PATHS)
 
 
 def _close(actual, expected, dtype):
@@ -112,7 +88,7 @@ def test_matches_numpy_reference(flags, inner, dtype):
     optimizer = tf_lars.TrustRatio(make_inner(), **config)
     # Compiled in float32, op by op in float64: as tests/lars_test.py's
     # MODE_OF (the compiled float64 path is the contract table's).
-    mode = {"float32": "eager_compiled", "float64": "eager"}[dtype]
+    mode = {"float32": "default", "float64": "eager"}[dtype]
     variables = _run(optimizer, weights, grads, dtype, mode)
     decayed, adapted = _masks(config)
     expected, ratios = ref.wrapped_run(
