@@ -358,8 +358,9 @@ def test_a_signal_while_tensorflow_runs_is_raised_at_the_next_safe_point():
     """Inside `deferred()` the first signal waits for `raise_pending` (a
     batch or epoch end) or the block's end; elsewhere it is raised at once.
     Raised inside TensorFlow's Python code (an iterator being made), it could
-    corrupt the heap: CI saw the SIGTERM test die of SIGSEGV (-11), and a
-    loop of that test aborted in `make_iterator` once in six runs."""
+    corrupt the heap: CI saw the SIGTERM test below die of SIGSEGV (-11),
+    and repeated, it aborted in `make_iterator` ("free(): invalid next
+    size")."""
     from tf_lars.cli.main import Terminated, _signals_handled, deferred, raise_pending
 
     with _signals_handled() as signals:
