@@ -162,7 +162,7 @@ def test_every_documented_command_is_valid(argv, tmp_path, monkeypatch, capsys):
         "make_distribution",
         lambda config: train.Distribution(None, "none", 1, 1, True, None),
     )
-    monkeypatch.setattr(main_module, "_quiet_python_logs", lambda: None)
+    monkeypatch.setattr(main_module, "quiet_python_logs", lambda: None)
     with pytest.raises(_Checked):
         code = main(argv)
         pytest.fail(f"exit status {code}: {capsys.readouterr().err}")

@@ -67,17 +67,13 @@ def _problem(dtype, seed=0, shapes=SHAPES, steps=STEPS, scale=0.1):
     return harness.random_problem(dtype, shapes, steps, seed, scale)
 
 
-_tensor = harness.tensor
-_applier = harness.step_function
-
-
 def _run(row, weights, grads, dtype, mode):
     optimizer = row.make()
     variables = [keras.Variable(w, dtype=dtype) for w in weights]
-    step = _applier(optimizer, variables, mode)
+    step = harness.step_function(optimizer, variables, mode)
     for step_grads in grads:
         scaled = [np.asarray(g, np.float64) * row.gradient_scale for g in step_grads]
-        step([_tensor(g, dtype) for g in scaled])
+        step([harness.tensor(g, dtype) for g in scaled])
     return optimizer, variables
 
 
@@ -128,12 +124,14 @@ def test_half_precision_variables_follow_the_reference(name, dtype):
     weights, grads = _problem("float32", seed=5, steps=1, scale=1.0)
     # The reference starts from the half-precision values the variables hold.
     held = [
-        keras.ops.convert_to_numpy(keras.ops.cast(_tensor(w, dtype), "float32"))
+        keras.ops.convert_to_numpy(keras.ops.cast(harness.tensor(w, dtype), "float32"))
         for w in weights
     ]
     rounded = [
         [
-            keras.ops.convert_to_numpy(keras.ops.cast(_tensor(g, dtype), "float32"))
+            keras.ops.convert_to_numpy(
+                keras.ops.cast(harness.tensor(g, dtype), "float32")
+            )
             for g in step_grads
         ]
         for step_grads in grads
@@ -389,7 +387,9 @@ def test_tuples_and_python_lists_are_accepted(name, mode):
     optimizer = row.make()
     variables = tuple(keras.Variable(w) for w in weights)
     scale = row.gradient_scale
-    optimizer.apply(tuple(_tensor(g * scale, "float32") for g in grads[0]), variables)
+    optimizer.apply(
+        tuple(harness.tensor(g * scale, "float32") for g in grads[0]), variables
+    )
     # Python lists as gradients; (gradient, variable) tuples.
     pairs = tuple(
         ((g * scale).tolist(), v) for g, v in zip(grads[1], variables, strict=True)
@@ -465,7 +465,7 @@ def test_variables_are_written_through_the_optimizers_assign(name, sparse):
 
         grad = tf.IndexedSlices(tf.constant(grad[:3]), tf.constant([0, 2, 4]), (5, 4))
     else:
-        grad = _tensor(grad, "float32")
+        grad = harness.tensor(grad, "float32")
     patches, direct = _record_writes(optimizer, variable)
     for patch in patches:
         patch.start()
@@ -498,7 +498,7 @@ def test_sparse_gradient_rows_follow_the_numpy_reference(name, mode):
     values = [rng.normal(size=(4, 3)) for _ in range(3)]
     optimizer = row.make()
     variable = keras.Variable(weight, dtype="float64")
-    step = _applier(optimizer, [variable], mode)
+    step = harness.step_function(optimizer, [variable], mode)
     dense = []
     for value in values:
         scaled = tf.constant(value * row.gradient_scale)

@@ -69,20 +69,8 @@ def _run_numpy(weights, grads, lr, config, decayed=None, adapted=None):
     return w, v, ratios
 
 
-def _run_tf(weights, grads, optimizer, mode, dtype):
-    return harness.run_steps(optimizer, weights, grads, dtype, mode)
-
-
 def _tolerance(dtype):
     return {"float32": 2e-5, "float64": 1e-10}[dtype]
-
-
-# Every flag combination compiled (as users run it) in float32, and op by op
-# in float64 at a tolerance of 1e-10: an XLA compile per case costs about
-# seven times the eager steps, and the compiled float64 path is the contract
-# table's (tests/contract_test.py, `test_apply_follows_the_numpy_reference`
-# with float64 on each LARS row).
-MODE_OF = {"float32": "default", "float64": "eager"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -92,7 +80,9 @@ def test_matches_numpy_reference(name, dtype):
     weights, grads = _problem(dtype)
     lr = 0.5
     optimizer = tf_lars.LARS(learning_rate=lr, **config)
-    variables = _run_tf(weights, grads, optimizer, MODE_OF[dtype], dtype)
+    variables = harness.run_steps(
+        optimizer, weights, grads, dtype, harness.FLAG_MATRIX_MODE[dtype]
+    )
     expected_w, expected_v, ratios = _run_numpy(weights, grads, lr, config)
     tol = _tolerance(dtype)
     for variable, want in zip(variables, expected_w, strict=True):
@@ -198,7 +188,7 @@ def test_anchor_model_garden_and_optax(nesterov):
             nesterov=nesterov,
             trust_ratio="decayed",
         )
-        variables = _run_tf(weights, grads, optimizer, "default", "float64")
+        variables = harness.run_steps(optimizer, weights, grads, "float64")
         for i, variable in enumerate(variables):
             w, v = np.array(weights[i], np.float64), np.zeros(SHAPES[i])
             for step in range(STEPS):
@@ -224,7 +214,7 @@ def test_anchor_timm_and_larc_clip():
         epsilon=eps,
         trust_clip=True,
     )
-    variables = _run_tf(weights, grads, optimizer, "default", "float64")
+    variables = harness.run_steps(optimizer, weights, grads, "float64")
     clipped_somewhere = False
     for i, variable in enumerate(variables):
         w, buf = np.array(weights[i], np.float64), np.zeros(SHAPES[i])

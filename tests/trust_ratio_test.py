@@ -86,9 +86,7 @@ def test_matches_numpy_reference(flags, inner, dtype):
     make_inner, make_direction = INNER[inner]
     weights, grads = _problem(dtype)
     optimizer = tf_lars.TrustRatio(make_inner(), **config)
-    # Compiled in float32, op by op in float64: as tests/lars_test.py's
-    # MODE_OF (the compiled float64 path is the contract table's).
-    mode = {"float32": "default", "float64": "eager"}[dtype]
+    mode = harness.FLAG_MATRIX_MODE[dtype]
     variables = _run(optimizer, weights, grads, dtype, mode)
     decayed, adapted = _masks(config)
     expected, ratios = ref.wrapped_run(

@@ -41,6 +41,8 @@ import signal
 import sys
 import threading
 
+from tf_lars.cli import quiet_python_logs, set_tensorflow_log_level
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as shells report a SIGTERM
@@ -108,12 +110,6 @@ def _parser():
 def _error(command, message):
     print(f"tf-lars {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
-
-
-def _quiet_python_logs():
-    from tf_lars.cli import quiet_python_logs
-
-    quiet_python_logs()
 
 
 class Terminated(KeyboardInterrupt):
@@ -254,8 +250,6 @@ def main(argv=None):
         )
     with _signals_handled() as signals:
         try:
-            from tf_lars.cli import set_tensorflow_log_level
-
             set_tensorflow_log_level(arguments.tf_log)
             return _run(arguments)
         except KeyboardInterrupt as interrupt:
@@ -294,7 +288,7 @@ def _run(arguments):
         from tf_lars.cli import import_tensorflow
 
         import_tensorflow()
-        _quiet_python_logs()
+        quiet_python_logs()
         command = importlib.import_module(f"tf_lars.cli.{arguments.command}")
         return command.run(config, data, folder, arguments.overwrite)
     except (ConfigError, DataError, TFConfigError) as error:
