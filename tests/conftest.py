@@ -91,6 +91,7 @@ PARTS = {
         "trust_ratio",
     ],
     "distribute": [
+        "agn_outer",
         "agn",
         "distribute_fault",
         "distribute_hostile",

@@ -192,6 +192,64 @@ def inner_variant(strategy, coordinator, make_inner):
     }
 
 
+def outer_nesterov_free(strategy, coordinator, checkpoint_dir):
+    """AGN with an outer SGD(0.5, momentum 0.9), inner SGD(0.01), period 3.
+
+    Every local step moves a weight by +0.01, so every commit's
+    pseudo-gradient is -0.03 whatever the staleness: the center's path is
+    known exactly (momentum m_k = 0.9 m_{k-1} + 0.015) if every commit is
+    applied once, and a resumed trainer continues it only if the outer
+    momentum was restored.
+    """
+
+    def make():
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((1,)), TwoWeights()])
+            optimizer = tf_lars.AGN(
+                keras.optimizers.SGD(0.01),
+                communication_period=3,
+                outer_optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
+            )
+        trainer = trainer_lib.ParameterServerTrainer(
+            model,
+            negative_mean,
+            optimizer,
+            dataset_fn,
+            strategy,
+            coordinator=coordinator,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=4,
+            log=lambda line: None,
+        )
+        return model, optimizer, trainer
+
+    model, optimizer, trainer = make()
+    trainer.fit(rounds=8)
+    first = {
+        "commits": int(optimizer.commits.numpy()),
+        "outer_iterations": int(optimizer.outer_optimizer.iterations.numpy()),
+        "center": center(model),
+        "worker_local_steps": trainer.worker_local_steps(),
+        "center_optimizer": type(trainer.ps_agn.center_optimizer).__name__,
+        "outer_placement": sorted(
+            {v.value.device for v in optimizer.outer_optimizer.variables}
+        ),
+        "checkpoint_keys": sorted(
+            name
+            for name, _ in tf.train.list_variables(trainer.manager.latest_checkpoint)
+        ),
+    }
+    model, optimizer, trainer = make()
+    restored = trainer.restored_commits
+    trainer.fit(rounds=9)
+    return {
+        **first,
+        "restored_commits": restored,
+        "resumed_center": center(model),
+        "resumed_commits": int(optimizer.commits.numpy()),
+    }
+
+
 def main():
     strategy, coordinator = cluster.in_process_cluster(num_workers=2, num_ps=1)
     checkpoint_dir = tempfile.mkdtemp(prefix="tf_lars_ps_test_")
@@ -214,6 +272,9 @@ def main():
             lambda: tf_lars.LossScaleOptimizer(
                 tf_lars.LARS(learning_rate=0.1, momentum=0.9), initial_scale=1024.0
             ),
+        ),
+        "outer": outer_nesterov_free(
+            strategy, coordinator, tempfile.mkdtemp(prefix="tf_lars_ps_outer_")
         ),
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -126,6 +126,39 @@ def test_lars_and_loss_scaled_lars_inner(result, variant):
     assert run["center"][0] > 0.0 and run["center"][1] > 0.5
 
 
+def _outer_path(commits):
+    # Outer SGD(0.5, momentum 0.9) on a pseudo-gradient of -0.03 per commit.
+    momentum, moved = 0.0, 0.0
+    for _ in range(commits):
+        momentum = 0.9 * momentum + 0.5 * 0.03
+        moved += momentum
+    return [moved, 0.5 + moved]
+
+
+def test_outer_optimizer_applies_every_commit_once_on_the_ps(result):
+    run = result["outer"]
+    assert run["commits"] == run["outer_iterations"] == 8
+    assert sum(run["worker_local_steps"]) == 24
+    assert run["center_optimizer"] == "SGD"
+    np.testing.assert_allclose(run["center"], _outer_path(8), atol=1e-5)
+    # The outer optimizer's slots live on the parameter server, and are
+    # checkpointed with the center; worker-local state is not.
+    assert run["outer_placement"] == ["/job:ps/replica:0/task:0/device:CPU:0"]
+    keys = run["checkpoint_keys"]
+    assert "optimizer/outer_optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    assert [k for k in keys if k.startswith("optimizer/outer_optimizer/_variables")]
+    assert not [k for k in keys if "local" in k or "pulled" in k]
+
+
+def test_outer_momentum_survives_a_restart_from_the_checkpoint(result):
+    run = result["outer"]
+    assert run["restored_commits"] == 8
+    assert run["resumed_commits"] == 9
+    # Commit 9 moves by the 9th momentum only if the 8th was restored
+    # (a fresh momentum would move by 0.015).
+    np.testing.assert_allclose(run["resumed_center"], _outer_path(9), atol=1e-5)
+
+
 def test_only_lost_connections_to_a_ps_count_as_ps_failures():
     import tensorflow as tf
 

@@ -98,6 +98,50 @@ def check_inner_learning_rate(inner_optimizer):
         )
 
 
+def check_optimizer(name, optimizer):
+    """A `keras.optimizers.Optimizer` instance, returned unchanged."""
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            f"`{name}` must be a `keras.optimizers.Optimizer` instance. "
+            f"Received: {name}={optimizer!r}"
+        )
+    return optimizer
+
+
+def check_outer_optimizer(outer_optimizer, inner_optimizer):
+    """Refuses an outer optimizer (DiLoCo's, AGN's) that cannot take the
+    outer step: not an optimizer, the inner optimizer itself (each keeps its
+    own state), a loss-scale optimizer (the pseudo-gradient is never scaled),
+    or a learning rate that is not a finite number > 0 in float32."""
+    import keras
+    from keras import ops
+
+    check_optimizer("outer_optimizer", outer_optimizer)
+    if outer_optimizer is inner_optimizer:
+        raise ValueError(
+            "`outer_optimizer` must be another optimizer than "
+            "`inner_optimizer` (each keeps its own state). Received: "
+            f"outer_optimizer={outer_optimizer!r}, the inner optimizer"
+        )
+    if isinstance(outer_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`outer_optimizer` must not be a loss-scale optimizer: the "
+            "pseudo-gradient is a difference of weights, never scaled. "
+            f"Received: outer_optimizer={outer_optimizer!r}"
+        )
+    # A float32 variable in Keras (a schedule: its rate at step 0).
+    value = np.float32(ops.convert_to_numpy(outer_optimizer.learning_rate))
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(
+            "`outer_optimizer.learning_rate` must be a finite number > 0. "
+            f"Received: outer_optimizer={type(outer_optimizer).__name__} with "
+            f"learning_rate={value!s}"
+        )
+    return outer_optimizer
+
+
 def check_int(name, value, low):
     """An int (not a bool) >= `low`, returned as an int."""
     if not is_int(value) or value < low:

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tf_lars import _internals
 from tf_lars._exclusions import mark_stand_in
 from tf_lars._internals import no_automatic_dependency_tracking
-from tf_lars._validation import check_inner_learning_rate
+from tf_lars._validation import check_inner_learning_rate, check_outer_optimizer
 from tf_lars._wrapper import (
     BASE_ARGUMENT_DEFAULTS,
     InnerOptimizerWrapper,
@@ -112,6 +112,18 @@ def reset(writer, local_variables, center_variables, accumulators):
         writer.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
 
 
+def pseudo_gradients(pulled_variables, local_variables):
+    """The outer optimizer's gradients: `pulled - local`, per variable.
+
+    With an outer optimizer a commit sends how far the local copy moved
+    since it was pulled (DiLoCo's pseudo-gradient), not the gradients.
+    """
+    return [
+        tf.convert_to_tensor(pulled) - tf.cast(local, pulled.dtype)
+        for pulled, local in zip(pulled_variables, local_variables, strict=True)
+    ]
+
+
 def normalized(accumulators, period):
     """The commit's gradients: each accumulator divided by the period."""
     return [tf.convert_to_tensor(a) / tf.cast(period, a.dtype) for a in accumulators]
@@ -168,6 +180,17 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     does not count towards the period, and the center is updated by the
     wrapped optimizer without loss scaling.
 
+    **With an outer optimizer** (asynchronous DiLoCo): a commit applies
+    `outer_optimizer` to the center with the pseudo-gradient `pulled - local`
+    (how far the local copy moved since its last pull) as its gradient,
+    instead of the inner optimizer with the normalized accumulation; no
+    accumulators are kept. The outer optimizer's slots live with the center
+    (on the parameter servers, created under the same `strategy.scope()`)
+    and are saved with the model. With a plain-SGD inner optimizer,
+    `outer_optimizer=SGD(1 / communication_period)` takes AGN's own commit.
+    docs/guides/low-communication.md states the rule, what staleness does
+    to the outer momentum, and the settings of the paper.
+
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Applies the local steps
             and the commits (e.g. `tf_lars.LARS`, a Keras optimizer, or a
@@ -177,6 +200,11 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             most `2**63 - 1`, the largest count of the int64 step counter.
             Defaults to `10`.
         name: str. The optimizer's name. Defaults to `None` (`"agn"`).
+        outer_optimizer: `keras.optimizers.Optimizer` or None. Applies each
+            commit's pseudo-gradient to the center (DiLoCo's recipe:
+            `SGD(learning_rate=0.7, momentum=0.9, nesterov=True)`). Not the
+            inner optimizer, not a loss-scale optimizer; its learning rate a
+            finite number > 0. Defaults to `None`: AGN's own commit.
         **kwargs: Keras base optimizer arguments are not supported on the
             wrapper (set them on `inner_optimizer`); only their default values
             are accepted, for loading configs written elsewhere.
@@ -207,7 +235,15 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         ```
     """
 
-    def __init__(self, inner_optimizer, communication_period=10, name=None, **kwargs):
+    def __init__(
+        self,
+        inner_optimizer,
+        communication_period=10,
+        name=None,
+        *,
+        outer_optimizer=None,
+        **kwargs,
+    ):
         for arg_name, default in _BASE_DEFAULTS.items():
             if arg_name not in kwargs:
                 continue
@@ -245,7 +281,15 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 f"Received: communication_period={communication_period!r}"
             )
         check_step_count("communication_period", int(communication_period))
+        if outer_optimizer is not None:
+            check_outer_optimizer(outer_optimizer, inner_optimizer)
+            if isinstance(outer_optimizer, AGN):
+                raise ValueError(
+                    "`outer_optimizer` must not itself be an AGN optimizer. "
+                    f"Received: outer_optimizer={outer_optimizer!r}"
+                )
         self.inner_optimizer = inner_optimizer
+        self.outer_optimizer = outer_optimizer
         self.communication_period = int(communication_period)
         # The strategy in scope at creation, as Keras records it for itself.
         self._strategy = tf.distribute.get_strategy()
@@ -293,14 +337,17 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
             )
             for variable in var_list
         ]
+        # With an outer optimizer the centers are the pulled values (only a
+        # commit moves them, and a pull follows): nothing to accumulate.
         accumulators = [
             self.add_variable_from_reference(variable, name="agn_accumulator")
             for variable in var_list
+            if self.outer_optimizer is None
         ]
         self._commits = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="commits"
         )
-        center_optimizer = clone_optimizer(
+        center_optimizer = self.outer_optimizer or clone_optimizer(
             unwrap_loss_scale(self.inner_optimizer),
             "center",
             drop_loss_scale_factor=True,
@@ -328,22 +375,27 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                     "Under ParameterServerStrategy AGN expects the model's "
                     f"Keras variables. Received: {variable!r}"
                 )
-        # The inner optimizer's own state (created with it) must be on the
-        # parameter servers too, i.e. it was created under the same scope.
-        device = tf.DeviceSpec.from_string(self.inner_optimizer.iterations.value.device)
-        if device.job != "ps":
-            raise ValueError(
-                "`inner_optimizer` must be created under the same "
-                "`strategy.scope()` as AGN, so that its state lives on the "
-                "parameter servers. Received: inner_optimizer="
-                f"{self.inner_optimizer!r} with its state on "
-                f"{device.to_string() or 'this process'}."
-            )
+        # The inner (and outer) optimizer's own state, created with it, must
+        # be on the parameter servers too: created under the same scope.
+        for argument in ("inner_optimizer", "outer_optimizer"):
+            optimizer = getattr(self, argument)
+            if optimizer is None:
+                continue
+            device = tf.DeviceSpec.from_string(optimizer.iterations.value.device)
+            if device.job != "ps":
+                raise ValueError(
+                    f"`{argument}` must be created under the same "
+                    "`strategy.scope()` as AGN, so that its state lives on the "
+                    f"parameter servers. Received: {argument}={optimizer!r} "
+                    f"with its state on {device.to_string() or 'this process'}."
+                )
         with strategy.scope():
             self._commits = self.add_variable(
                 shape=(), dtype="int64", initializer="zeros", name="commits"
             )
             self.inner_optimizer.build(var_list)
+            if self.outer_optimizer is not None:
+                self.outer_optimizer.build(var_list)
         self._roles = _Untracked(model=var_list, centers=var_list)
 
     # ------------------------------------------------------------- read-outs
@@ -381,7 +433,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def accumulators(self):
-        """The gradient accumulators, one per variable (one process only)."""
+        """The gradient accumulators, one per variable (one process only);
+        none with an outer optimizer."""
         self._require_one_process("accumulators")
         return list(self._roles.accumulators)
 
@@ -395,11 +448,14 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     def center_optimizer(self):
         """The optimizer instance that applies commits to the center.
 
-        One process: a copy of the inner optimizer (without loss scaling).
-        Parameter servers: the inner optimizer itself (without loss scaling),
-        whose slots live on the parameter servers.
+        The outer optimizer if there is one. Otherwise, one process: a copy
+        of the inner optimizer (without loss scaling); parameter servers: the
+        inner optimizer itself (without loss scaling), whose slots live on the
+        parameter servers.
         """
         self._require_built("center_optimizer")
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
         if self._parameter_server:
             return unwrap_loss_scale(self.inner_optimizer)
         return self._center_optimizer
@@ -432,6 +488,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         variables = super().variables + self.inner_optimizer.variables
         if self.built and not self._parameter_server:
             variables += self._center_optimizer.variables
+        elif self.built and self.outer_optimizer is not None:
+            variables += self.outer_optimizer.variables
         return variables
 
     @property
@@ -452,7 +510,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 f"Received: learning_rate={learning_rate!r}"
             )
         self.inner_optimizer.learning_rate = learning_rate
-        if self.built:
+        if self.built and self.outer_optimizer is None:
             self._center_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
@@ -535,7 +593,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         reset(self, roles.model, roles.centers, roles.accumulators)
 
     def commit(self):
-        """Applies the accumulated gradient / period to the center, then pulls.
+        """Applies the accumulated gradient / period to the center (with an
+        outer optimizer: the pseudo-gradient), then pulls.
 
         One-process mode only.
 
@@ -548,16 +607,34 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     def _commit_and_pull(self):
         roles = self._roles
-        grads = normalized(roles.accumulators, self.communication_period)
+        if self.outer_optimizer is None:
+            grads = normalized(roles.accumulators, self.communication_period)
+        else:
+            grads = pseudo_gradients(roles.centers, roles.model)
         self._center_optimizer.apply(grads, roles.centers)
         self.assign_add(self._commits, tf.constant(1, tf.int64))
         self.pull()
         return tf.constant(True)
 
     def get_config(self):
+        # Without an outer optimizer the config is AGN's as it always was.
+        outer = {}
+        if self.outer_optimizer is not None:
+            outer["outer_optimizer"] = _internals.portable_optimizer_config(
+                self.outer_optimizer
+            )
         return self._wrapper_config(
-            communication_period=self.communication_period,
+            communication_period=self.communication_period, **outer
         )
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if config.get("outer_optimizer") is not None:
+            config["outer_optimizer"] = keras.saving.deserialize_keras_object(
+                config["outer_optimizer"], custom_objects=custom_objects
+            )
+        return super().from_config(config, custom_objects=custom_objects)
 
 
 def _copy_of(variable):

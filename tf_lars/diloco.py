@@ -23,6 +23,8 @@ from tf_lars._validation import (
     check_config_keys,
     check_inner_learning_rate,
     check_int,
+    check_optimizer,
+    check_outer_optimizer,
     is_int,
 )
 
@@ -173,25 +175,6 @@ def streaming_schedule(step, num_fragments, sync_every):
 # --- The worker. ---
 
 
-def _check_optimizer(name, optimizer):
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(
-            f"`{name}` must be a `keras.optimizers.Optimizer` instance. "
-            f"Received: {name}={optimizer!r}"
-        )
-
-
-def _check_outer_learning_rate(outer_optimizer):
-    # A float32 variable in Keras (a schedule: its rate at step 0).
-    value = np.float32(ops.convert_to_numpy(outer_optimizer.learning_rate))
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(
-            "`outer_optimizer.learning_rate` must be a finite number > 0. "
-            f"Received: outer_optimizer={type(outer_optimizer).__name__} with "
-            f"learning_rate={value!s}"
-        )
-
-
 @keras.saving.register_keras_serializable(package="tf_lars")
 class DiLoCo:
     """One worker of synchronous DiLoCo, on any Keras backend.
@@ -261,16 +244,9 @@ class DiLoCo:
             outer_optimizer = keras.optimizers.SGD(
                 learning_rate=0.7, momentum=0.9, nesterov=True, name="outer_sgd"
             )
-        _check_optimizer("inner_optimizer", inner_optimizer)
-        _check_optimizer("outer_optimizer", outer_optimizer)
-        if outer_optimizer is inner_optimizer:
-            raise ValueError(
-                "`outer_optimizer` must be another optimizer than "
-                "`inner_optimizer` (each keeps its own state). Received: "
-                f"outer_optimizer={outer_optimizer!r}, the inner optimizer"
-            )
+        check_optimizer("inner_optimizer", inner_optimizer)
+        check_outer_optimizer(outer_optimizer, inner_optimizer)
         check_inner_learning_rate(inner_optimizer)
-        _check_outer_learning_rate(outer_optimizer)
         sync_every = check_int("sync_every", sync_every, 1)
         check_choice("compression", compression, COMPRESSIONS)
         check_choice("granularity", granularity, GRANULARITIES)

@@ -14,6 +14,7 @@ from tf_lars.agn import (
     clone_optimizer,
     local_step,
     normalized,
+    pseudo_gradients,
     reset,
 )
 
@@ -166,11 +167,12 @@ class ParameterServerAGN:
             variables).
         center_variables: list, the model's variables on the parameter servers.
         accumulators: list, each worker's gradient accumulators, one per
-            variable.
+            variable. With an outer optimizer: each worker's copy of the
+            center as it was pulled (the commit sends `pulled - local`).
         local_optimizer: the copy of the inner optimizer that applies local
             steps.
-        center_optimizer: the inner optimizer (without loss scaling) that
-            applies commits.
+        center_optimizer: the optimizer that applies commits: the AGN's outer
+            optimizer, or its inner optimizer (without loss scaling).
         commits: `agn.commits`, commits applied to the center so far.
         local_steps: `agn.local_steps`, local steps committed by all workers
             together.
@@ -228,8 +230,9 @@ class ParameterServerAGN:
                 mark_stand_in(_worker_variable(v, "local"), v)
                 for v in self.center_variables
             ]
+            role = "accumulator" if agn.outer_optimizer is None else "pulled"
             self.accumulators = [
-                _worker_variable(v, "accumulator") for v in self.center_variables
+                _worker_variable(v, role) for v in self.center_variables
             ]
             self.local_optimizer = clone_optimizer(agn.inner_optimizer, "local")
             self.local_optimizer.build(self.local_variables)
@@ -242,8 +245,20 @@ class ParameterServerAGN:
 
     # ------------------------------------------------------------ the round
     def pull(self):
-        """Resets the worker's local copy to the center, accumulators to 0."""
-        reset(self.agn, self.local_variables, self.center_variables, self.accumulators)
+        """Resets the worker's local copy to the center, accumulators to 0
+        (with an outer optimizer: both the local copy and the pulled copy to
+        the center, read once)."""
+        if self.agn.outer_optimizer is None:
+            reset(
+                self.agn, self.local_variables, self.center_variables, self.accumulators
+            )
+            return
+        for local, pulled, center in zip(
+            self.local_variables, self.accumulators, self.center_variables, strict=True
+        ):
+            value = tf.convert_to_tensor(center)
+            self.agn.assign(pulled, value)
+            self.agn.assign(local, value)
 
     def local_update(self, grads):
         """One local step on the worker; accumulates its unscaled gradient.
@@ -256,16 +271,18 @@ class ParameterServerAGN:
             A scalar bool tensor: whether the step was applied (false when a
             loss-scale inner optimizer skipped a non-finite step).
         """
+        accumulators = self.accumulators if self.agn.outer_optimizer is None else []
         return local_step(
             self.agn,
             self.local_optimizer,
             self.local_variables,
-            self.accumulators,
+            accumulators,
             list(grads),
         )
 
     def commit(self):
-        """Applies the accumulated gradient / period to the center.
+        """Applies the accumulated gradient / period to the center (with an
+        outer optimizer: the pseudo-gradient `pulled - local`).
 
         Serialized with the other workers' commits at the parameter server;
         the next round starts with `pull`.
@@ -277,8 +294,11 @@ class ParameterServerAGN:
         period = self.communication_period
         center = self.center_variables
         center_optimizer = self.center_optimizer
-        # Read and normalized on the worker: one tensor per variable travels.
-        grads = normalized(self.accumulators, period)
+        # Computed on the worker: one tensor per variable travels.
+        if agn.outer_optimizer is None:
+            grads = normalized(self.accumulators, period)
+        else:
+            grads = pseudo_gradients(self.accumulators, self.local_variables)
 
         def critical():
             center_optimizer.apply(grads, center)
