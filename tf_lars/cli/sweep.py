@@ -5,11 +5,10 @@ scaled linearly from `sweep.base_batch_size` (`base_learning_rate * batch /
 base_batch_size`), then multiplied by each of `sweep.grid_factors` (the
 factor 1 is always run: it is the "linear" result). Each grid point is one
 `build_trial` + `fit_once` run with the same model, seed, epochs and
-warm-up + polynomial decay schedule. Grid points run in parallel worker
-processes (spawned, so each has its own TensorFlow runtime, pinned to
-`cores // workers` threads); they inherit the parent's
-`TF_CPP_MIN_LOG_LEVEL` and import TensorFlow as quietly
-(`tf_lars.cli.import_tensorflow`).
+warm-up + polynomial decay schedule, in a `ProcessPoolExecutor` of spawned
+workers (each its own TensorFlow, imported quietly, pinned to `cores //
+workers` threads). A line is printed per finished training, under a `rich`
+progress bar on a terminal; the table is Markdown (`rich`'s Markdown box).
 
 Every grid point's schedule and optimizer are built before the first
 training, so a learning rate out of range refuses the whole sweep at once. A
@@ -18,25 +17,25 @@ worker that dies (SIGKILL, the out-of-memory killer) ends the sweep:
 """
 
 import concurrent.futures
+import contextlib
+import io
 import json
 import math
 import multiprocessing
 import os
 import signal
-import sys
 import time
 
+from rich import box
+from rich.console import Console
+from rich.progress import MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+from tf_lars.cli import preflight
 from tf_lars.cli.config import ConfigError, dump_config
-from tf_lars.cli.preflight import (
-    INTERRUPTED_NOTE,
-    Interrupted,
-    interruption_name,
-    open_run_dir,
-    write_file,
-    write_text,
-)
 
 _WORKER_DATA = {}
+_CHOICES = {"linear": "linear LR", "best": "best of grid"}
 
 
 class WorkerLost(ConfigError):
@@ -64,110 +63,101 @@ def plan(config, num_train):
     Raises:
         ConfigError: a batch size larger than the training set.
     """
-    # Imported here: this module loads in fresh worker processes before
-    # `_init_worker` imports TensorFlow (quietly).
-    from tf_lars.schedules import linear_scaled_learning_rate
+    # Imported here: the workers import this module before TensorFlow.
+    from tf_lars.schedules import linear_scaled_learning_rate as linear
 
-    batch_sizes = []
-    for index, batch_size in enumerate(config["sweep"]["batch_sizes"]):
-        if batch_size == "full":
-            batch_size = num_train
-        elif batch_size > num_train:
-            key = f"sweep.batch_sizes.{index}"
-            raise ConfigError(
-                f"`{key}` must be at most the training set size ({num_train}) or "
-                f"'full'. Received: {key}={batch_size!r}"
+    sweep = config["sweep"]
+    batch_sizes = sorted(
+        {
+            preflight.resolve_batch_size(size, num_train, f"sweep.batch_sizes.{i}")
+            for i, size in enumerate(sweep["batch_sizes"])
+        }
+    )
+    factors = sorted(set(sweep["grid_factors"]) | {1.0})
+    tasks = [
+        {
+            "batch_size": size,
+            "label": entry["label"],
+            "factor": factor,
+            "learning_rate": linear(
+                entry["base_learning_rate"], size, sweep["base_batch_size"]
             )
-        if batch_size not in batch_sizes:
-            batch_sizes.append(batch_size)
-    batch_sizes.sort()
-    factors = sorted(set(config["sweep"]["grid_factors"]) | {1.0})
-    base_batch_size = config["sweep"]["base_batch_size"]
-    tasks = []
-    for batch_size in batch_sizes:
-        for entry in config["optimizers"]:
-            linear = linear_scaled_learning_rate(
-                entry["base_learning_rate"], batch_size, base_batch_size
-            )
-            for factor in factors:
-                tasks.append(
-                    {
-                        "batch_size": batch_size,
-                        "label": entry["label"],
-                        "factor": factor,
-                        "learning_rate": linear * factor,
-                        "optimizer": entry["optimizer"],
-                    }
-                )
+            * factor,
+            "optimizer": entry["optimizer"],
+        }
+        for size in batch_sizes
+        for entry in config["optimizers"]
+        for factor in factors
+    ]
     return batch_sizes, factors, tasks
 
 
 def _init_worker(threads):
-    from tf_lars.cli import import_tensorflow
+    from tf_lars.cli import import_tensorflow, quiet_python_logs
 
     tf = import_tensorflow()
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    from tf_lars.cli import quiet_python_logs
-
     quiet_python_logs()
+
+
+def _schedule(config, task, num_train):
+    from tf_lars.cli.train import build_schedule
+
+    steps_per_epoch = num_train // task["batch_size"]
+    epochs = config["training"]["epochs"]
+    return build_schedule(
+        config["schedule"], task["learning_rate"], steps_per_epoch, epochs
+    )
 
 
 def run_task(config, task):
     """Trains one grid point; returns a JSON-able result dict."""
     from tf_lars.cli.config import optimizer_spec
     from tf_lars.cli.data import load_data
-    from tf_lars.cli.train import build_schedule, build_trial, fit_once
+    from tf_lars.cli.train import build_trial, fit_once
 
     key = json.dumps(config["data"], sort_keys=True)
     if key not in _WORKER_DATA:
         _WORKER_DATA[key] = load_data(config["data"])
     data = _WORKER_DATA[key]
-    epochs = config["training"]["epochs"]
-    steps_per_epoch = len(data.x_train) // task["batch_size"]
     trial = build_trial(
         data,
         model_config=config["model"],
         optimizer=optimizer_spec(task["optimizer"]),
-        learning_rate=build_schedule(
-            config["schedule"], task["learning_rate"], steps_per_epoch, epochs
-        ),
+        learning_rate=_schedule(config, task, len(data.x_train)),
         batch_size=task["batch_size"],
         seed=config["seed"],
     )
+    training = config["training"]
     result = fit_once(
         data,
         trial,
         batch_size=task["batch_size"],
-        epochs=epochs,
-        jit_compile=config["training"]["jit_compile"],
+        epochs=training["epochs"],
+        jit_compile=training["jit_compile"],
         verbose=0,
     )
-    losses = result["history"].get("loss", [])
+    loss = result["train_loss"]
     # A run that ends with a finite loss still at chance level (every logit
     # constant: typically all ReLUs switched off by too large early steps).
-    chance_loss = math.log(data.num_classes)
     collapsed = (
         not result["diverged"]
-        and result["train_loss"] >= 0.95 * chance_loss
+        and loss >= 0.95 * math.log(data.num_classes)
         and result["train_accuracy"] < 1.5 / data.num_classes
     )
     return {
         **{name: value for name, value in task.items() if name != "optimizer"},
         "test_accuracy": result["test_accuracy"],
         "train_accuracy": result["train_accuracy"],
-        "train_loss": _finite_or_none(result["train_loss"]),
+        "train_loss": loss if loss is not None and math.isfinite(loss) else None,
         "diverged": result["diverged"],
         "diverged_epoch": result["diverged_epoch"],
         "collapsed": collapsed,
-        "epochs_run": len(losses),
+        "epochs_run": len(result["history"].get("loss", [])),
         "steps_per_epoch": result["steps_per_epoch"],
         "seconds": result["seconds"],
     }
-
-
-def _finite_or_none(value):
-    return value if value is not None and math.isfinite(value) else None
 
 
 def _describe(task):
@@ -178,7 +168,11 @@ def _describe(task):
     )
 
 
-def execute(config, tasks, workers, out=print, results=None):
+def _print(line):
+    print(line, flush=True)  # progress, live through a pipe too
+
+
+def execute(config, tasks, workers, out=_print, results=None):
     """Runs every task, in `workers` processes; prints a line per result.
 
     `results`, a list of `len(tasks)` Nones when given, is filled in place as
@@ -191,55 +185,53 @@ def execute(config, tasks, workers, out=print, results=None):
         f"Running {total} trainings on {workers} worker process(es) x "
         f"{threads} thread(s) ({cores} core(s) available)."
     )
-    started = time.perf_counter()
     results = [None] * total if results is None else results
-
-    def report(done, index, result):
-        # Kept before it is printed: a Ctrl-C right after the line shows a
-        # training as finished must find it in `results`.
-        results[index] = result
-        elapsed = time.perf_counter() - started
-        remaining = elapsed / done * (total - done)
-        status = (
-            "DIVERGED (NaN loss)"
-            if result["diverged"]
-            else "COLLAPSED (loss stuck at chance)"
-            if result.get("collapsed")
-            else ""
-        )
-        out(
-            f"[{done:>{len(str(total))}}/{total}] {_describe(result)}  "
-            f"test acc {100 * result['test_accuracy']:6.2f}%  "
-            f"{result['seconds']:5.1f}s  elapsed {elapsed:5.0f}s  "
-            f"eta {remaining:4.0f}s {status}".rstrip()
-        )
-        sys.stdout.flush()  # progress, live through a pipe too
-
     # Most expensive first (smallest batches take the most steps), so the
     # last process to finish is not left alone with a long run.
     order = sorted(range(total), key=lambda i: tasks[i]["batch_size"])
-    if workers == 1:
-        for done, index in enumerate(order, start=1):
-            report(done, index, run_task(config, tasks[index]))
-        return results
-    _run_in_pool(config, tasks, order, workers, threads, report)
+    # Drawn on a terminal only (and erased at the end); a pipe gets the lines.
+    columns = [*Progress.get_default_columns(), MofNCompleteColumn()]
+    off = not Console().is_interactive
+    bar = Progress(*columns, TimeElapsedColumn(), transient=True, disable=off)
+    started = time.perf_counter()
+    with bar, _finished(config, tasks, order, workers, threads) as finished:
+        progress = bar.add_task("sweep", total=total)
+        for done, (index, result) in enumerate(finished, start=1):
+            # Kept before it is printed: a Ctrl-C right after the line shows a
+            # training as finished must find it in `results`.
+            results[index] = result
+            elapsed = time.perf_counter() - started
+            status = "DIVERGED (NaN loss)" if result["diverged"] else ""
+            if result.get("collapsed"):
+                status = "COLLAPSED (loss stuck at chance)"
+            out(
+                f"[{done:>{len(str(total))}}/{total}] {_describe(result)}  "
+                f"test acc {100 * result['test_accuracy']:6.2f}%  "
+                f"{result['seconds']:5.1f}s  elapsed {elapsed:5.0f}s  "
+                f"eta {elapsed / done * (total - done):4.0f}s {status}".rstrip()
+            )
+            bar.advance(progress)
     return results
 
 
-def _run_in_pool(config, tasks, order, workers, threads, report):
-    """Runs `tasks` in `order` on spawned processes; reports each result.
+@contextlib.contextmanager
+def _finished(config, tasks, order, workers, threads):
+    """`(index, result)` of each task as it finishes, started in `order`.
+
+    One worker trains in this process; more are spawned processes of a
+    `ProcessPoolExecutor` (not a `multiprocessing.Pool`: when a worker dies,
+    the pool waits for its result for ever; the executor fails every future
+    with `BrokenProcessPool`), stopped at once on leaving (Ctrl-C included).
 
     Raises:
-        WorkerLost: a worker process died; the others are stopped.
+        WorkerLost: a worker process died.
     """
-    # A `ProcessPoolExecutor`, not a `multiprocessing.Pool`: when a worker
-    # dies, the pool replaces it and waits for its result for ever; the
-    # executor fails every unfinished future with `BrokenProcessPool`.
+    if workers == 1:
+        yield ((index, run_task(config, tasks[index])) for index in order)
+        return
+    context = multiprocessing.get_context("spawn")
     executor = concurrent.futures.ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(threads,),
+        workers, context, initializer=_init_worker, initargs=(threads,)
     )
     processes = []
     try:
@@ -249,21 +241,16 @@ def _run_in_pool(config, tasks, order, workers, threads, report):
         # its workers in `submit`, so the handler is swapped around it.
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            futures = {
-                executor.submit(run_task, config, tasks[index]): index
-                for index in order
-            }
+            futures = {executor.submit(run_task, config, tasks[i]): i for i in order}
         finally:
             signal.signal(signal.SIGINT, handler)
-        processes = list(executor._processes.values())  # noqa: SLF001 - see _stop
+        processes = list(executor._processes.values())  # noqa: SLF001 - see below
         finished = concurrent.futures.as_completed(futures)
-        for done, future in enumerate(finished, start=1):
-            report(done, futures[future], future.result())
+        yield ((futures[future], future.result()) for future in finished)
     except concurrent.futures.process.BrokenProcessPool:
         _stop(executor, processes)
         raise WorkerLost(f"a worker process {_how_it_ended(processes)}") from None
     finally:
-        # On Ctrl-C or an error, the running trainings are stopped at once.
         _stop(executor, processes)
 
 
@@ -281,8 +268,7 @@ def _stop(executor, processes):
 
 def _how_it_ended(processes):
     """'was killed by SIGKILL' (the lost worker's end), in words."""
-    for process in processes:
-        code = process.exitcode
+    for code in (process.exitcode for process in processes):
         # The executor ends the other workers with SIGTERM.
         if code is not None and code < 0 and code != -signal.SIGTERM:
             return f"was killed by {signal.Signals(-code).name}"
@@ -292,99 +278,72 @@ def _how_it_ended(processes):
 
 
 def summarize(batch_sizes, labels, results):
-    """`{label: {batch_size: {"linear": result, "best": result}}}`.
+    """`{label: {batch_size: {"linear": result, "best": result, "edge": bool}}}`.
 
     "best" is the grid point with the highest test accuracy (ties go to the
-    factor closest to 1, then the smaller learning rate; diverged runs last).
-    Of an interrupted sweep, `results` holds the finished runs only; a
-    choice with no finished run is None.
+    factor closest to 1, then the smaller learning rate; diverged runs last);
+    "edge": it is the grid's smallest or largest rate (the grid may not reach
+    the optimizer's best rate). Of an interrupted sweep, `results` holds the
+    finished runs only; a choice with no finished run is None.
     """
     summary = {label: {} for label in labels}
     for label in labels:
-        for batch_size in batch_sizes:
+        for size in batch_sizes:
             runs = [
-                r
-                for r in results
-                if r["label"] == label and r["batch_size"] == batch_size
+                r for r in results if (r["label"], r["batch_size"]) == (label, size)
             ]
-            if not runs:  # an interrupted sweep: not trained
-                summary[label][batch_size] = {"linear": None, "best": None}
-                continue
-            linear = next((r for r in runs if r["factor"] == 1.0), None)
-            best = max(
-                runs,
-                key=lambda r: (
-                    _score(r),
-                    -abs(math.log(r["factor"])),
-                    -r["learning_rate"],
-                ),
-            )
-            factors = [r["factor"] for r in runs]
-            summary[label][batch_size] = {
-                "linear": linear,
+            factors = sorted(r["factor"] for r in runs)
+            best = max(runs, key=_rank, default=None)
+            summary[label][size] = {
+                "linear": next((r for r in runs if r["factor"] == 1.0), None),
                 "best": best,
-                # The best point is the grid's smallest or largest rate: the
-                # grid may not reach this optimizer's best rate.
-                "edge": len(factors) > 1
-                and best["factor"] in (min(factors), max(factors)),
+                "edge": len(runs) > 1 and best["factor"] in (factors[0], factors[-1]),
             }
     return summary
 
 
-def _score(result):
-    """Test accuracy for ranking; a diverged run ranks last."""
+def _rank(result):
+    """Test accuracy first (a diverged run last), then a factor close to 1,
+    then the smaller learning rate."""
     accuracy = result["test_accuracy"]
     if result["diverged"] or accuracy is None or not math.isfinite(accuracy):
-        return -1.0
-    return accuracy
+        accuracy = -1.0
+    return accuracy, -abs(math.log(result["factor"])), -result["learning_rate"]
 
 
-def _cell(result):
+def _cell(result, edge=False):
     if result is None:
         return "not run"
     if result["diverged"]:
         accuracy = "diverged"
     else:
         accuracy = f"{100 * result['test_accuracy']:.1f}"
-        if result.get("collapsed"):
-            accuracy += " collapsed"
-    return f"{accuracy} (lr {result['learning_rate']:.3g})"
+        accuracy += " collapsed" * bool(result.get("collapsed"))
+    return f"{accuracy} (lr {result['learning_rate']:.3g})" + " EDGE" * edge
 
 
 def format_table(batch_sizes, labels, summary, epochs):
     """A Markdown table: rows batch size, columns optimizer x LR choice."""
-    header = ["batch size", "steps"]
+    table = Table(box=box.MARKDOWN)
+    for heading in ["batch size", "steps"]:
+        table.add_column(heading, no_wrap=True)
     for label in labels:
-        header += [f"{label} linear LR", f"{label} best of grid"]
-    rows = []
-    for batch_size in batch_sizes:
-        trained = [
-            cell[choice]
-            for cell in (summary[label][batch_size] for label in labels)
-            for choice in ("linear", "best")
-            if cell[choice] is not None
-        ]
+        for name in _CHOICES.values():
+            table.add_column(f"{label} {name}", no_wrap=True)
+    for size in batch_sizes:
+        cells = [summary[label][size] for label in labels]
+        trained = [c[k] for c in cells for k in _CHOICES if c[k] is not None]
         steps = str(trained[0]["steps_per_epoch"] * epochs) if trained else "-"
-        row = [str(batch_size), steps]
-        for label in labels:
-            cell = summary[label][batch_size]
-            best = _cell(cell["best"]) + (" EDGE" if cell.get("edge") else "")
-            row += [_cell(cell["linear"]), best]
-        rows.append(row)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells):
-        return (
-            "| "
-            + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
-            + " |"
-        )
-
-    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), separator, *(line(r) for r in rows)])
+        row = [(_cell(c["linear"]), _cell(c["best"], c.get("edge"))) for c in cells]
+        table.add_row(str(size), steps, *(text for pair in row for text in pair))
+    # Plain text at any width: no colour, markup or emoji codes, no wrapping.
+    text = io.StringIO()
+    console = Console(file=text, width=1 << 20, color_system=None, markup=False)
+    console.print(table, emoji=False)
+    return text.getvalue().strip()
 
 
-def run(config, data=None, folder=None, overwrite=False):
+def run(config, data=None, folder=None, overwrite=False, out=_print):
     """`tf-lars sweep`: the whole sweep, into its run folder.
 
     Args:
@@ -392,6 +351,7 @@ def run(config, data=None, folder=None, overwrite=False):
         data: the `Dataset` and `folder` the run folder from
             `tf_lars.cli.preflight.preflight`; both found here when None.
         overwrite: bool, `--overwrite`: an existing run folder may be reused.
+        out: callable printing one line.
 
     Returns:
         The exit status, 0.
@@ -406,93 +366,15 @@ def run(config, data=None, folder=None, overwrite=False):
             finished trainings and their table.
         WorkerLost: a worker process died (killed); the same files written.
     """
-    from tf_lars.cli.preflight import preflight
-
     if data is None:
-        data, folder = preflight("sweep", config, overwrite)
-    run_sweep(config, folder, data=data)
-    return 0
-
-
-def _write_results(run_dir, config, plan_, workers, results, wall):
-    """results.json and table.md of the finished runs; returns the table."""
-    batch_sizes, factors, labels = plan_
-    finished = [result for result in results if result is not None]
-    summary = summarize(batch_sizes, labels, finished)
-    table = format_table(batch_sizes, labels, summary, config["training"]["epochs"])
-    record = {
-        "batch_sizes": batch_sizes,
-        "factors": factors,
-        "labels": labels,
-        "workers": workers,
-        "wall_seconds": wall,
-        "runs": finished,
-    }
-    if len(finished) < len(results):
-        record["interrupted"] = True
-        record["runs_planned"] = len(results)
-    write_text(run_dir, "results.json", json.dumps(record, indent=1))
-    write_text(run_dir, "table.md", table + "\n")
-    return summary, table
-
-
-def _interrupted(
-    run_dir, config, plan_, workers, results, wall, lost=None, interrupt=None
-):
-    """Writes what finished and a note; the exception `main` reports.
-
-    `lost`, a `WorkerLost`, when a dead worker (not a Ctrl-C) ended the sweep;
-    `interrupt`, the `KeyboardInterrupt` (Ctrl-C or SIGTERM) otherwise.
-    """
-    summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
-    done = sum(result is not None for result in results)
-    if lost is None:
-        cause = f"Interrupted ({interruption_name(interrupt)})"
-    else:
-        cause = f"Stopped: {lost}"
-    write_text(
-        run_dir,
-        INTERRUPTED_NOTE,
-        f"{cause} after {done} of {len(results)} trainings. "
-        "results.json and table.md hold the finished ones; sweep.png was not "
-        "drawn.\n",
-    )
-    kept = (
-        f"the run folder {run_dir} keeps config.yaml, results.json and table.md "
-        f"of the {done} of {len(results)} trainings that finished, and "
-        f"{INTERRUPTED_NOTE}"
-    )
-    return Interrupted(kept) if lost is None else WorkerLost(f"{lost}; {kept}")
-
-
-def run_sweep(config, run_dir, out=print, data=None):
-    """The whole sweep; writes results.json, table.md, sweep.png, config.yaml.
-
-    Args:
-        config: a validated sweep config.
-        run_dir: str, the folder to write.
-        out: callable printing one line.
-        data: the loaded `Dataset`, or None to load it here.
-
-    Returns:
-        A dict: summary, results (one dict per run), table (Markdown), wall
-        (seconds).
-    """
-    from tf_lars.cli.data import load_data
-    from tf_lars.cli.plots import plot_sweep
-    from tf_lars.cli.preflight import check_sweep
-
-    if data is None:
-        data = load_data(config["data"])
-    check_sweep(config, data)
+        data, folder = preflight.preflight("sweep", config, overwrite)
     batch_sizes, factors, tasks = plan(config, len(data.x_train))
     labels = [entry["label"] for entry in config["optimizers"]]
-    _check_optimizers(config)
     _check_grid_points(config, tasks, len(data.x_train))
     workers = config["sweep"]["workers"]
-    if workers == "auto":
-        workers = available_cores()
-    workers = max(1, min(workers, len(tasks)))
+    workers = max(
+        1, min(available_cores() if workers == "auto" else workers, len(tasks))
+    )
     epochs = config["training"]["epochs"]
     out(
         f"Sweep: {len(data.x_train)} training / {len(data.x_test)} test examples "
@@ -500,77 +382,21 @@ def run_sweep(config, run_dir, out=print, data=None):
         f"learning-rate factors {factors} around the linear rule "
         f"(base batch {config['sweep']['base_batch_size']}); {epochs} epochs each."
     )
-    open_run_dir(run_dir, "sweep")
-    write_text(run_dir, "config.yaml", dump_config(config))
+    preflight.open_run_dir(folder, "sweep")
+    preflight.write_text(folder, "config.yaml", dump_config(config))
     started = time.perf_counter()
     results = [None] * len(tasks)
     plan_ = (batch_sizes, factors, labels)
     try:
         execute(config, tasks, workers, out=out, results=results)
-    except KeyboardInterrupt as interrupt:
+    except (KeyboardInterrupt, WorkerLost) as stop:
         wall = time.perf_counter() - started
         raise _interrupted(
-            run_dir, config, plan_, workers, results, wall, interrupt=interrupt
+            folder, config, plan_, workers, results, wall, stop
         ) from None
-    except WorkerLost as lost:
-        wall = time.perf_counter() - started
-        stopped = _interrupted(run_dir, config, plan_, workers, results, wall, lost)
-        raise stopped from None
     wall = time.perf_counter() - started
-    summary, table = _write_results(run_dir, config, plan_, workers, results, wall)
-    _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep)
-    _print_table(out, run_dir, epochs, table, wall)
-    return {"summary": summary, "results": results, "table": table, "wall": wall}
-
-
-def _check_optimizers(config):
-    """Builds each optimizer block once, before any process starts.
-
-    Its only check: a bad block fails here; the workers build one optimizer
-    per grid point from the same block.
-    """
-    from tf_lars.cli.config import optimizer_from_block
-
-    for index, entry in enumerate(config["optimizers"]):
-        optimizer_from_block(
-            entry["optimizer"],
-            learning_rate=entry["base_learning_rate"],
-            key=f"optimizers.{index}.optimizer",
-        )
-
-
-def _check_grid_points(config, tasks, num_train):
-    """Builds every grid point's schedule and optimizer, as `run_task` will.
-
-    A learning rate out of range (beyond float32, below
-    `schedule.end_learning_rate`) refuses the whole sweep here, before any
-    training, instead of when its point starts, after the earlier ones.
-    """
-    from tf_lars.cli.config import build_optimizer, optimizer_spec
-    from tf_lars.cli.train import build_schedule
-
-    specs = {
-        entry["label"]: optimizer_spec(
-            entry["optimizer"], f"optimizers.{index}.optimizer"
-        )
-        for index, entry in enumerate(config["optimizers"])
-    }
-    epochs = config["training"]["epochs"]
-    for task in tasks:
-        steps_per_epoch = num_train // task["batch_size"]
-        try:
-            schedule = build_schedule(
-                config["schedule"], task["learning_rate"], steps_per_epoch, epochs
-            )
-            build_optimizer(specs[task["label"]], schedule)
-        except ConfigError as error:
-            raise ConfigError(
-                f"the grid point {_describe(task)} is refused, so no training "
-                f"started: {error}"
-            ) from None
-
-
-def _print_table(out, run_dir, epochs, table, wall):
+    summary, table = _write_results(folder, config, plan_, workers, results, wall)
+    _plot(folder, config, data, batch_sizes, labels, summary)
     out("")
     out(f"Test accuracy (%) after {epochs} epochs; (lr) = peak learning rate used:")
     out(table)
@@ -582,33 +408,95 @@ def _print_table(out, run_dir, epochs, table, wall):
     )
     out("")
     out(
-        f"Wall time {wall:.0f}s. Results in {run_dir}/ (results.json, table.md, "
+        f"Wall time {wall:.0f}s. Results in {folder}/ (results.json, table.md, "
         "sweep.png, config.yaml)"
     )
-    sys.stdout.flush()
+    return 0
 
 
-def _plot(run_dir, config, data, batch_sizes, labels, summary, plot_sweep):
+def _write_results(run_dir, config, plan_, workers, results, wall):
+    """results.json and table.md of the finished runs; returns the table."""
+    batch_sizes, factors, labels = plan_
+    finished = [result for result in results if result is not None]
+    summary = summarize(batch_sizes, labels, finished)
+    table = format_table(batch_sizes, labels, summary, config["training"]["epochs"])
+    record = {"batch_sizes": batch_sizes, "factors": factors, "labels": labels}
+    record.update(workers=workers, wall_seconds=wall, runs=finished)
+    if len(finished) < len(results):
+        record.update(interrupted=True, runs_planned=len(results))
+    preflight.write_text(run_dir, "results.json", json.dumps(record, indent=1))
+    preflight.write_text(run_dir, "table.md", table + "\n")
+    return summary, table
+
+
+def _interrupted(run_dir, config, plan_, workers, results, wall, interrupt):
+    """Writes what finished and a note; returns the exception `main` reports.
+
+    `interrupt` ended the sweep: a `KeyboardInterrupt` (Ctrl-C or SIGTERM),
+    or the `WorkerLost` of a dead worker.
+    """
+    _write_results(run_dir, config, plan_, workers, results, wall)
+    done = sum(result is not None for result in results)
+    lost = isinstance(interrupt, WorkerLost)
+    name = preflight.interruption_name(interrupt)
+    preflight.write_text(
+        run_dir,
+        preflight.INTERRUPTED_NOTE,
+        (f"Stopped: {interrupt}" if lost else f"Interrupted ({name})")
+        + f" after {done} of {len(results)} trainings. results.json and "
+        "table.md hold the finished ones; sweep.png was not drawn.\n",
+    )
+    kept = (
+        f"the run folder {run_dir} keeps config.yaml, results.json and table.md "
+        f"of the {done} of {len(results)} trainings that finished, and "
+        f"{preflight.INTERRUPTED_NOTE}"
+    )
+    return WorkerLost(f"{interrupt}; {kept}") if lost else preflight.Interrupted(kept)
+
+
+def _check_grid_points(config, tasks, num_train):
+    """Builds every grid point's schedule and optimizer, as `run_task` will.
+
+    Each optimizer block is built first, once (a bad one is refused with its
+    own message). A learning rate out of range (beyond float32, below
+    `schedule.end_learning_rate`) then refuses the whole sweep here, before
+    any training, instead of when its point starts, after the earlier ones.
+    """
+    from tf_lars.cli.config import build_optimizer, optimizer_spec
+
+    specs = {}
+    for index, entry in enumerate(config["optimizers"]):
+        spec = optimizer_spec(entry["optimizer"], f"optimizers.{index}.optimizer")
+        build_optimizer(spec, entry["base_learning_rate"])
+        specs[entry["label"]] = spec
+    for task in tasks:
+        try:
+            build_optimizer(specs[task["label"]], _schedule(config, task, num_train))
+        except ConfigError as error:
+            raise ConfigError(
+                f"the grid point {_describe(task)} is refused, so no training "
+                f"started: {error}"
+            ) from None
+
+
+def _plot(run_dir, config, data, batch_sizes, labels, summary):
+    from tf_lars.cli.plots import plot_sweep
+
     series = []
     for label in labels:
-        for choice, style in (("linear", "--"), ("best", "-")):
-            picked = [summary[label][b][choice] for b in batch_sizes]
-            series.append(
-                (
-                    f"{label}, {'linear LR' if choice == 'linear' else 'best of grid'}",
-                    [r["test_accuracy"] for r in picked],
-                    [r["diverged"] or r.get("collapsed", False) for r in picked],
-                    style,
-                )
-            )
-    epochs = config["training"]["epochs"]
+        for (choice, name), style in zip(_CHOICES.items(), ("--", "-"), strict=True):
+            picked = [summary[label][size][choice] for size in batch_sizes]
+            accuracies = [r["test_accuracy"] for r in picked]
+            bad = [r["diverged"] or r.get("collapsed", False) for r in picked]
+            series.append((f"{label}, {name}", accuracies, bad, style))
+    schedule = config["schedule"]
     title = (
-        f"Test accuracy after {epochs} epochs, warm-up "
-        f"{config['schedule']['warmup_epochs']:g} epochs + poly decay "
-        f"(power {config['schedule']['power']:g}); {data.source}"
+        f"Test accuracy after {config['training']['epochs']} epochs, warm-up "
+        f"{schedule['warmup_epochs']:g} epochs + poly decay "
+        f"(power {schedule['power']:g}); {data.source}"
     )
     # Whole or not at all, as every file of a run folder.
-    write_file(
-        os.path.join(run_dir, "sweep.png"),
-        lambda path: plot_sweep(batch_sizes, series, path, title=title),
+    path = os.path.join(run_dir, "sweep.png")
+    preflight.write_file(
+        path, lambda to: plot_sweep(batch_sizes, series, to, title=title)
     )
