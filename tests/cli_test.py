@@ -696,7 +696,7 @@ def test_pyproject_declares_the_console_script():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"] == {"tf-lars": "tf_lars.cli.main:main"}
     cli = pyproject["project"]["optional-dependencies"]["cli"]
-    for package in ("pyyaml", "matplotlib", "scikit-learn", "pydantic"):
+    for package in ("pyyaml", "matplotlib", "scikit-learn", "pydantic", "rich"):
         assert any(entry.startswith(package) for entry in cli), package
 
 

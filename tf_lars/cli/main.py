@@ -48,7 +48,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as shells report a SIGTERM
 # Top-level modules of the `cli` extra (pyproject.toml), which brings the
 # `tensorflow` extra too.
-_CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn", "tensorflow", "absl")
+_CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn", "rich", "tensorflow", "absl")
 
 _DESCRIPTION = (
     "Large-batch training experiments with tf_lars (LARS for Keras 3): "
