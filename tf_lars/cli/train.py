@@ -205,25 +205,21 @@ def build_model(model_config, input_shape, num_classes):
     check_model_input(model_config, input_shape)
     width = model_config["width"]
     inputs = keras.Input(shape=input_shape, name="inputs")
+    x = inputs
     if model_config["name"] == "cnn":
-        x = inputs
         if len(input_shape) == 2:
             x = keras.layers.Reshape((*input_shape, 1), name="add_channel")(x)
-        x = keras.layers.Conv2D(
-            width, 3, padding="same", activation="relu", name="conv1"
-        )(x)
-        x = keras.layers.Conv2D(
-            width, 3, padding="same", activation="relu", name="conv2"
-        )(x)
-        x = keras.layers.MaxPooling2D(2, name="pool")(x)
-        x = keras.layers.Conv2D(
-            2 * width, 3, padding="same", activation="relu", name="conv3"
-        )(x)
+        for index, filters in enumerate((width, width, 2 * width), 1):
+            if index == 3:
+                x = keras.layers.MaxPooling2D(2, name="pool")(x)
+            x = keras.layers.Conv2D(
+                filters, 3, padding="same", activation="relu", name=f"conv{index}"
+            )(x)
         x = keras.layers.GlobalAveragePooling2D(name="global_pool")(x)
     else:
-        x = keras.layers.Flatten(name="flatten")(inputs)
-        x = keras.layers.Dense(width, activation="relu", name="dense1")(x)
-        x = keras.layers.Dense(width, activation="relu", name="dense2")(x)
+        x = keras.layers.Flatten(name="flatten")(x)
+        for index in (1, 2):
+            x = keras.layers.Dense(width, activation="relu", name=f"dense{index}")(x)
     outputs = keras.layers.Dense(num_classes, dtype="float32", name="logits")(x)
     return keras.Model(inputs, outputs, name=model_config["name"])
 
@@ -644,23 +640,26 @@ def _json_number(value):
     return value
 
 
-class _HistoryWriter(keras.callbacks.Callback):
-    """Rewrites `history.json` at every epoch end, so Ctrl-C keeps it."""
+def _history_json(history, **extra):
+    """`history.json`: `{"epoch": [1, ...], **history, **extra}`, inf/NaN as null."""
+    epochs = len(history.get("loss", []))
+    history = {key: [_json_number(float(v)) for v in vs] for key, vs in history.items()}
+    return json.dumps(
+        {"epoch": list(range(1, epochs + 1)), **history, **extra}, indent=1
+    )
+
+
+class _HistoryWriter(keras.callbacks.History):
+    """Keras's `History` (which `fit` then returns), also written to
+    `history.json` at every epoch end, so a Ctrl-C keeps it."""
 
     def __init__(self, folder):
         super().__init__()
         self.folder = folder
-        self.history = {}
 
     def on_epoch_end(self, epoch, logs=None):
-        for key, value in (logs or {}).items():
-            self.history.setdefault(key, []).append(_json_number(float(value)))
-        epochs = len(next(iter(self.history.values()), []))
-        write_text(
-            self.folder,
-            "history.json",
-            json.dumps({"epoch": list(range(1, epochs + 1)), **self.history}, indent=1),
-        )
+        super().on_epoch_end(epoch, logs)
+        write_text(self.folder, "history.json", _history_json(self.history))
 
 
 def _unwrapped(optimizer):
@@ -744,16 +743,18 @@ def run(config, data=None, folder=None, overwrite=False):
     if data is None:
         data, folder = preflight("train", config, overwrite)
     distribution = make_distribution(config["distribute"])
-    sizes = _batch_sizes(config, data, distribution)
-    optimizer = optimizer_spec(config["optimizer"])
-    learning_rate = learning_rate_for(
-        config, optimizer.learning_rate, sizes[1], len(data.x_train) // sizes[1]
-    )
+    num_train, replicas = len(data.x_train), distribution.replicas
+    sizes = global_batch_size(config["training"]["batch_size"], num_train, replicas)
+    if distribution.strategy is not None:
+        evaluation_batch_size(len(data.x_test), replicas, "test set")
+    spec = optimizer_spec(config["optimizer"])
     trial = build_trial(
         data,
         model_config=config["model"],
-        optimizer=optimizer,
-        learning_rate=learning_rate,
+        optimizer=spec,
+        learning_rate=learning_rate_for(
+            config, spec.learning_rate, sizes[1], num_train // sizes[1]
+        ),
         batch_size=sizes[1],
         seed=config["seed"],
         precision=config["training"]["precision"],
@@ -761,32 +762,35 @@ def run(config, data=None, folder=None, overwrite=False):
         strategy=distribution.strategy,
     )
     if not distribution.chief:
-        return _train_as_worker(config, data, distribution, trial)
+        # Keras needs no file to train, and TensorBoard is the chief's.
+        print(
+            f"{distribution.task}: {_describe_distribution(distribution)}; the "
+            "chief writes the run folder and the progress"
+        )
+        result, _ = _train(config, data, distribution, trial, None)
+        print(
+            f"{distribution.task}: done; final test accuracy "
+            f"{100 * result['test_accuracy']:.2f}%"
+        )
+        return 0
     if folder is None:
         folder = claim_run_dir(config, "train", overwrite)
     _open_run_folder(folder, config, data, distribution, sizes, trial["optimizer"])
-    result, monitor = _train_as_chief(config, data, distribution, trial, folder)
+    result, monitor = _train(config, data, distribution, trial, folder)
     try:
-        files = _write_run_files(folder, config, data, distribution, sizes, result)
+        learning_rates, epochs_run = _learning_rates(result)
+        files = _write_run_files(folder, result, learning_rates, epochs_run)
         files += _write_trust_ratio_files(folder, config, monitor)
         # Last: a summary.json says that every other file is whole.
-        files.insert(2, _write_summary(folder, data, distribution, sizes, result))
+        summary = _summary(data, distribution, sizes, result, learning_rates)
+        write_text(folder, "summary.json", json.dumps(summary, indent=1, default=str))
+        files.insert(2, "summary.json")
     except KeyboardInterrupt as interrupt:
         epochs_run = len(result["history"].get("loss", []))
         epochs = config["training"]["epochs"]
         raise _interrupted(folder, epochs_run, epochs, interrupt) from None
     _print_result(folder, result, files)
     return 0
-
-
-def _batch_sizes(config, data, distribution):
-    """`(per_replica, global_batch)`, checked against the training and test sets."""
-    sizes = global_batch_size(
-        config["training"]["batch_size"], len(data.x_train), distribution.replicas
-    )
-    if distribution.strategy is not None:
-        evaluation_batch_size(len(data.x_test), distribution.replicas, "test set")
-    return sizes
 
 
 def _open_run_folder(folder, config, data, distribution, sizes, optimizer):
@@ -805,55 +809,32 @@ def _open_run_folder(folder, config, data, distribution, sizes, optimizer):
     print(f"Run folder: {folder}", flush=True)
 
 
-def _train(config, data, distribution, trial, callbacks, verbose):
+def _train(config, data, distribution, trial, folder):
+    """`fit_once` with the trust-ratio monitor; the result and the monitor.
+
+    The chief (a `folder`) also shows the progress and writes
+    `history.json` at every epoch end; a worker other than the chief
+    (`folder` None) trains in lockstep, silently.
+    """
     training = config["training"]
-    return fit_once(
-        data,
-        trial,
-        batch_size=trial["batch_size"],
-        epochs=training["epochs"],
-        jit_compile=training["jit_compile"],
-        callbacks=callbacks,
-        verbose=verbose,
-        validation=True,
-        strategy=distribution.strategy,
-    )
-
-
-def _train_as_chief(config, data, distribution, trial, folder):
-    """Trains with the progress, the monitor and `history.json`; the result."""
     monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
-    writer = _HistoryWriter(folder)
-    callbacks = [c for c in (monitor, writer) if c is not None]
+    writer = None if folder is None else _HistoryWriter(folder)
     try:
-        result = _train(
-            config, data, distribution, trial, callbacks, config["training"]["verbose"]
+        result = fit_once(
+            data,
+            trial,
+            batch_size=trial["batch_size"],
+            epochs=training["epochs"],
+            jit_compile=training["jit_compile"],
+            callbacks=[c for c in (monitor, writer) if c is not None],
+            verbose=0 if folder is None else training["verbose"],
+            validation=True,
+            strategy=distribution.strategy,
         )
     except KeyboardInterrupt as interrupt:
-        done = len(writer.history.get("loss", []))
-        epochs = config["training"]["epochs"]
-        raise _interrupted(folder, done, epochs, interrupt) from None
+        done = len(writer.history.get("loss", [])) if writer else 0
+        raise _interrupted(folder, done, training["epochs"], interrupt) from None
     return result, monitor
-
-
-def _train_as_worker(config, data, distribution, trial):
-    """A worker other than the chief: trains in lockstep, writes no file."""
-    # Keras needs no file to train, and TensorBoard is the chief's.
-    print(
-        f"{distribution.task}: {_describe_distribution(distribution)}; the "
-        "chief writes the run folder and the progress"
-    )
-    monitor = _trust_ratio_monitor(config, trial["optimizer"], None)
-    callbacks = [monitor] if monitor is not None else []
-    try:
-        result = _train(config, data, distribution, trial, callbacks, 0)
-    except KeyboardInterrupt:
-        raise _interrupted(None, 0, config["training"]["epochs"]) from None
-    print(
-        f"{distribution.task}: done; final test accuracy "
-        f"{100 * result['test_accuracy']:.2f}%"
-    )
-    return 0
 
 
 def _print_result(folder, result, files):
@@ -870,49 +851,13 @@ def _print_result(folder, result, files):
 
 def _trust_ratio_monitor(config, optimizer, folder):
     """A `TrustRatioMonitor` for optimizers that expose trust ratios, else None."""
-    inner = _unwrapped(optimizer)
-    if "trust_coefficient" not in constructor_parameters(type(inner)):
+    if "trust_coefficient" not in constructor_parameters(type(_unwrapped(optimizer))):
         return None
+    tensorboard = config["monitor"]["tensorboard"] and folder is not None
     return TrustRatioMonitor(
         log_every_n_batches=config["monitor"]["log_every_n_batches"],
-        log_dir=(
-            os.path.join(folder, "tensorboard")
-            if config["monitor"]["tensorboard"] and folder is not None
-            else None
-        ),
+        log_dir=os.path.join(folder, "tensorboard") if tensorboard else None,
     )
-
-
-def _summary(data, distribution, sizes, result, learning_rates, epochs_run):
-    """summary.json's record of a finished run."""
-    optimizer = result["optimizer"]
-    learning_rate = result["learning_rate"]
-    return {
-        "train_accuracy": result["train_accuracy"],
-        "test_accuracy": result["test_accuracy"],
-        "train_loss": _json_number(result["train_loss"]),
-        "test_loss": _json_number(result["test_loss"]),
-        "diverged": result["diverged"],
-        "diverged_epoch": result["diverged_epoch"],
-        "epochs_run": epochs_run,
-        "batch_size": sizes[0],
-        "global_batch_size": sizes[1],
-        "replicas": distribution.replicas,
-        "workers": distribution.workers,
-        "strategy": distribution.name,
-        "examples_dropped_per_epoch": len(data.x_train) % sizes[1],
-        "steps_per_epoch": result["steps_per_epoch"],
-        "peak_learning_rate": float(np.max(learning_rates)),
-        "learning_rate_schedule": (
-            keras.saving.serialize_keras_object(learning_rate)
-            if not isinstance(learning_rate, float)
-            else learning_rate
-        ),
-        "optimizer": type(optimizer).__name__,
-        "inner_optimizer": type(_unwrapped(optimizer)).__name__,
-        "train_seconds": result["seconds"],
-        "data": data.source,
-    }
 
 
 def _learning_rates(result):
@@ -922,23 +867,45 @@ def _learning_rates(result):
     return learning_rate_curve(result["learning_rate"], max(total_steps, 1)), epochs_run
 
 
-def _write_run_files(folder, config, data, distribution, sizes, result):
-    """history.json, the model and the curves, each whole; the folder's names."""
+def _summary(data, distribution, sizes, result, learning_rates):
+    """summary.json's record of a finished run."""
+    optimizer, learning_rate = result["optimizer"], result["learning_rate"]
+    if not isinstance(learning_rate, float):
+        learning_rate = keras.saving.serialize_keras_object(learning_rate)
+    return {
+        "train_accuracy": result["train_accuracy"],
+        "test_accuracy": result["test_accuracy"],
+        "train_loss": _json_number(result["train_loss"]),
+        "test_loss": _json_number(result["test_loss"]),
+        "diverged": result["diverged"],
+        "diverged_epoch": result["diverged_epoch"],
+        "epochs_run": len(result["history"].get("loss", [])),
+        "batch_size": sizes[0],
+        "global_batch_size": sizes[1],
+        "replicas": distribution.replicas,
+        "workers": distribution.workers,
+        "strategy": distribution.name,
+        "examples_dropped_per_epoch": len(data.x_train) % sizes[1],
+        "steps_per_epoch": result["steps_per_epoch"],
+        "peak_learning_rate": float(np.max(learning_rates)),
+        "learning_rate_schedule": learning_rate,
+        "optimizer": type(optimizer).__name__,
+        "inner_optimizer": type(_unwrapped(optimizer)).__name__,
+        "train_seconds": result["seconds"],
+        "data": data.source,
+    }
+
+
+def _write_run_files(folder, result, learning_rates, epochs_run):
+    """history.json, the model and the curves, each whole; their names."""
     from tf_lars.cli.plots import plot_curves, plot_learning_rate
 
     steps_per_epoch = result["steps_per_epoch"]
-    learning_rates, epochs_run = _learning_rates(result)
-    total_steps = steps_per_epoch * epochs_run
-    history = {
-        key: [_json_number(float(v)) for v in values]
-        for key, values in result["history"].items()
-    }
-    history["learning_rate_at_epoch_end"] = [
-        float(learning_rates[min((epoch + 1) * steps_per_epoch, total_steps) - 1])
-        for epoch in range(epochs_run)
-    ]
-    history = {"epoch": list(range(1, epochs_run + 1)), **history}
-    write_text(folder, "history.json", json.dumps(history, indent=1))
+    at_epoch_end = learning_rates[steps_per_epoch - 1 :: steps_per_epoch][:epochs_run]
+    history = _history_json(
+        result["history"], learning_rate_at_epoch_end=at_epoch_end.tolist()
+    )
+    write_text(folder, "history.json", history)
     write_file(os.path.join(folder, "model.keras"), result["model"].save)
     write_file(
         os.path.join(folder, "curves.png"),
@@ -957,31 +924,21 @@ def _write_run_files(folder, config, data, distribution, sizes, result):
     ]
 
 
-def _write_summary(folder, data, distribution, sizes, result):
-    """summary.json; its name."""
-    learning_rates, epochs_run = _learning_rates(result)
-    summary = _summary(data, distribution, sizes, result, learning_rates, epochs_run)
-    write_text(folder, "summary.json", json.dumps(summary, indent=1, default=str))
-    return "summary.json"
-
-
 def _write_trust_ratio_files(folder, config, monitor):
     """The trust-ratio plot and arrays (LARS-like optimizers); their names."""
     from tf_lars.cli.plots import plot_trust_ratios
 
     files = []
     if monitor is not None and len(monitor.trust_ratios):
-        epoch_rows = [
-            i
-            for i, epoch in enumerate(monitor.epochs)
-            if i + 1 == len(monitor.epochs) or monitor.epochs[i + 1] != epoch
-        ]
+        # The last record of each epoch.
+        epochs = monitor.epochs
+        rows = [i for i, epoch in enumerate(epochs) if epochs[i + 1 : i + 2] != [epoch]]
         write_file(
             os.path.join(folder, "trust_ratio.png"),
             lambda path: plot_trust_ratios(
                 monitor.paths,
-                [monitor.epochs[i] + 1 for i in epoch_rows],
-                monitor.trust_ratios[epoch_rows],
+                [epochs[i] + 1 for i in rows],
+                monitor.trust_ratios[rows],
                 path,
             ),
         )
@@ -991,7 +948,7 @@ def _write_trust_ratio_files(folder, config, monitor):
                 path,
                 trust_ratios=monitor.trust_ratios,
                 steps=np.asarray(monitor.steps),
-                epochs=np.asarray(monitor.epochs),
+                epochs=np.asarray(epochs),
                 paths=np.asarray(monitor.paths),
             ),
         )
