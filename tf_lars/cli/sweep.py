@@ -19,6 +19,7 @@ worker that dies (SIGKILL, the out-of-memory killer) ends the sweep:
 import concurrent.futures
 import contextlib
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -74,21 +75,12 @@ def plan(config, num_train):
         }
     )
     factors = sorted(set(sweep["grid_factors"]) | {1.0})
-    tasks = [
-        {
-            "batch_size": size,
-            "label": entry["label"],
-            "factor": factor,
-            "learning_rate": linear(
-                entry["base_learning_rate"], size, sweep["base_batch_size"]
-            )
-            * factor,
-            "optimizer": entry["optimizer"],
-        }
-        for size in batch_sizes
-        for entry in config["optimizers"]
-        for factor in factors
-    ]
+    tasks, optimizers = [], config["optimizers"]
+    for size, entry, factor in itertools.product(batch_sizes, optimizers, factors):
+        rate = linear(entry["base_learning_rate"], size, sweep["base_batch_size"])
+        task = {"batch_size": size, "label": entry["label"], "factor": factor}
+        task.update(learning_rate=rate * factor, optimizer=entry["optimizer"])
+        tasks.append(task)
     return batch_sizes, factors, tasks
 
 
@@ -268,13 +260,15 @@ def _stop(executor, processes):
 
 def _how_it_ended(processes):
     """'was killed by SIGKILL' (the lost worker's end), in words."""
-    for code in (process.exitcode for process in processes):
-        # The executor ends the other workers with SIGTERM.
-        if code is not None and code < 0 and code != -signal.SIGTERM:
-            return f"was killed by {signal.Signals(-code).name}"
-        if code is not None and code > 0:
-            return f"exited with status {code}"
-    return "ended abruptly"
+    # The executor ends the other workers with SIGTERM.
+    codes = [
+        p.exitcode for p in processes if p.exitcode not in (None, 0, -signal.SIGTERM)
+    ]
+    if not codes:
+        return "ended abruptly"
+    if codes[0] < 0:
+        return f"was killed by {signal.Signals(-codes[0]).name}"
+    return f"exited with status {codes[0]}"
 
 
 def summarize(batch_sizes, labels, results):
@@ -303,8 +297,7 @@ def summarize(batch_sizes, labels, results):
 
 
 def _rank(result):
-    """Test accuracy first (a diverged run last), then a factor close to 1,
-    then the smaller learning rate."""
+    """The key of "best": test accuracy (diverged last), factor near 1, lower rate."""
     accuracy = result["test_accuracy"]
     if result["diverged"] or accuracy is None or not math.isfinite(accuracy):
         accuracy = -1.0
@@ -357,14 +350,11 @@ def run(config, data=None, folder=None, overwrite=False, out=_print):
         The exit status, 0.
 
     Raises:
-        ConfigError: a bad config, before any file is written or process
-            started (a grid point whose learning rate is out of range
-            included).
-        DataError: unusable data, before any file is written or process
-            started.
-        tf_lars.cli.preflight.Interrupted: on Ctrl-C, after writing the
-            finished trainings and their table.
-        WorkerLost: a worker process died (killed); the same files written.
+        ConfigError: a bad config (an out-of-range grid point included) or
+            `DataError`, before any file is written or process started.
+        tf_lars.cli.preflight.Interrupted: Ctrl-C or SIGTERM, and
+            `WorkerLost`, a killed worker: after writing the finished
+            trainings and their table.
     """
     if data is None:
         data, folder = preflight.preflight("sweep", config, overwrite)
@@ -397,17 +387,12 @@ def run(config, data=None, folder=None, overwrite=False, out=_print):
     wall = time.perf_counter() - started
     summary, table = _write_results(folder, config, plan_, workers, results, wall)
     _plot(folder, config, data, batch_sizes, labels, summary)
-    out("")
-    out(f"Test accuracy (%) after {epochs} epochs; (lr) = peak learning rate used:")
-    out(table)
     out(
-        "collapsed = training loss stuck at chance level (constant prediction); "
-        "diverged = loss became NaN/inf. Best of grid = highest test accuracy "
-        "among the grid points (an optimistic, oracle choice); EDGE = that "
-        "point is the grid's smallest or largest rate."
-    )
-    out("")
-    out(
+        f"\nTest accuracy (%) after {epochs} epochs; (lr) = peak learning rate "
+        f"used:\n{table}\ncollapsed = training loss stuck at chance level "
+        "(constant prediction); diverged = loss became NaN/inf. Best of grid = "
+        "highest test accuracy among the grid points (an optimistic, oracle "
+        "choice); EDGE = that point is the grid's smallest or largest rate.\n\n"
         f"Wall time {wall:.0f}s. Results in {folder}/ (results.json, table.md, "
         "sweep.png, config.yaml)"
     )
