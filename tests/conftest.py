@@ -93,6 +93,7 @@ PARTS = {
     "distribute": [
         "agn_outer",
         "agn",
+        "distribute_diloco",
         "distribute_fault",
         "distribute_hostile",
         "distribute_launch_sync",

@@ -27,10 +27,13 @@ from tf_lars._validation import (
     check_outer_optimizer,
     is_int,
 )
+from tf_lars._wrapper import BASE_ARGUMENT_DEFAULTS
 
 __all__ = [
     "DiLoCo",
+    "decode",
     "dequantize",
+    "encode",
     "error_feedback_step",
     "fragment_offsets",
     "payload_bytes",
@@ -91,21 +94,33 @@ def dequantize(codes, scale, dtype):
     return ops.cast(codes, dtype) * ops.cast(scale, dtype)
 
 
-def round_trip(x, compression, granularity="tensor"):
-    """`x` as the other workers receive it under `compression`.
+def encode(x, compression, granularity="tensor"):
+    """The payload a worker sends for `x`: a tuple of tensors.
 
-    `None` sends `x` unchanged; `"bfloat16"` rounds it to bfloat16 (to
-    nearest, ties to even; float64 goes through float32 first); `"int8"` and
-    `"int4"` are `dequantize(*quantize(x, bits, granularity))`. The result
-    has `x`'s dtype.
+    `None`: `(x,)`; `"bfloat16"`: `(x rounded to bfloat16,)` (to nearest,
+    ties to even; float64 goes through float32 first); `"int8"`/`"int4"`:
+    `quantize(x, bits, granularity)`, `(codes, scale)`.
     """
     x = ops.convert_to_tensor(x)
     if compression is None:
-        return x
+        return (x,)
     if compression == "bfloat16":
-        return ops.cast(ops.cast(ops.cast(x, "float32"), "bfloat16"), x.dtype)
-    codes, scale = quantize(x, _BITS[compression], granularity)
-    return dequantize(codes, scale, x.dtype)
+        return (ops.cast(ops.cast(x, "float32"), "bfloat16"),)
+    return quantize(x, _BITS[compression], granularity)
+
+
+def decode(payload, dtype):
+    """The values a payload of `encode` stands for, in `dtype`."""
+    if len(payload) == 2:
+        return dequantize(*payload, dtype)
+    return ops.cast(payload[0], dtype)
+
+
+def round_trip(x, compression, granularity="tensor"):
+    """`x` as the other workers receive it under `compression`:
+    `decode(encode(x, compression, granularity))`, in `x`'s dtype."""
+    x = ops.convert_to_tensor(x)
+    return decode(encode(x, compression, granularity), x.dtype)
 
 
 def error_feedback_step(pseudo_gradient, error, compression, granularity="tensor"):
@@ -176,7 +191,7 @@ def streaming_schedule(step, num_fragments, sync_every):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class DiLoCo:
+class DiLoCo(keras.optimizers.Optimizer):
     """One worker of synchronous DiLoCo, on any Keras backend.
 
     Each worker takes `sync_every` (H) inner steps with its own inner
@@ -186,7 +201,15 @@ class DiLoCo:
     parameters `theta` with the mean `Delta`, and `theta` is copied into the
     worker's variables (`outer_step`). The inner optimizer keeps its state
     across rounds. The averaging itself is the caller's: an all-reduce across
-    processes, or `simulate_sync` for workers simulated in one process.
+    processes (`tf_lars.distribute.DiLoCoSync` on TensorFlow's
+    `MultiWorkerMirroredStrategy`), or `simulate_sync` for workers simulated
+    in one process.
+
+    It is a Keras optimizer: `model.compile(optimizer=DiLoCo(...))` takes
+    the inner steps in `model.fit`, and the model's saving and checkpoints
+    hold its whole state (`theta`, the outer and inner optimizers' slots,
+    the error buffers, the inner-step count `iterations`). `learning_rate`
+    is the inner optimizer's.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Each worker's own
@@ -239,7 +262,16 @@ class DiLoCo:
         error_feedback=False,
         num_fragments=1,
         name="diloco",
+        **kwargs,
     ):
+        for key, value in kwargs.items():
+            # Keras base arguments belong on the inner optimizer; a config
+            # written by Keras carries them at their defaults.
+            if value != BASE_ARGUMENT_DEFAULTS.get(key, object()):
+                raise ValueError(
+                    f"Argument `{key}` is not supported by DiLoCo; set it on "
+                    f"`inner_optimizer`. Received: {key}={value!r}"
+                )
         if outer_optimizer is None:
             outer_optimizer = keras.optimizers.SGD(
                 learning_rate=0.7, momentum=0.9, nesterov=True, name="outer_sgd"
@@ -263,6 +295,7 @@ class DiLoCo:
                 "that each fragment has its own offset. Received: "
                 f"num_fragments={num_fragments}"
             )
+        super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer
         self.sync_every = sync_every
@@ -270,12 +303,11 @@ class DiLoCo:
         self.granularity = granularity
         self.error_feedback = error_feedback
         self.num_fragments = num_fragments
-        self.name = name
-        self.built = False
+        self.global_variables, self.errors, self.fragments = [], [], []
 
     def build(self, variables):
         """Makes `theta` (copies of `variables`), the outer optimizer's slots
-        over it, the error buffers and the inner-step counter."""
+        over it, the error buffers, and builds the inner optimizer."""
         if self.built:
             return
         variables = list(variables)
@@ -284,44 +316,86 @@ class DiLoCo:
                 f"`num_fragments` must be <= the number of variables "
                 f"({len(variables)}). Received: num_fragments={self.num_fragments}"
             )
+        super().build(variables)
         self.global_variables = [
-            keras.Variable(
-                # A copy: on PyTorch a Variable would share the tensor.
-                ops.copy(variable),
+            self.add_variable(
+                shape=variable.shape,
                 dtype=variable.dtype,
-                trainable=False,  # updated by the outer step only
+                # A copy: on PyTorch a Variable would share the tensor.
+                initializer=_copy_of(variable),
                 name=f"global_{index}",
             )
             for index, variable in enumerate(variables)
         ]
-        self.errors = []
         if self.error_feedback:
             self.errors = [
-                keras.Variable(
-                    ops.zeros(v.shape, v.dtype), trainable=False, name=f"error_{i}"
-                )
+                self.add_variable(shape=v.shape, dtype=v.dtype, name=f"error_{i}")
                 for i, v in enumerate(self.global_variables)
             ]
-        # "int", as Keras's `iterations`: int64, or int32 on JAX without x64.
-        self.inner_steps = keras.Variable(
-            0, dtype="int", trainable=False, name="inner_steps"
-        )
         self.fragments = streaming_fragments(len(variables), self.num_fragments)
+        self.inner_optimizer.build(variables)
         self.outer_optimizer.build(self.global_variables)
-        self.built = True
 
-    def apply(self, grads, variables):
-        """One inner step: the inner optimizer's `apply`, counted."""
-        variables = list(variables)
-        self.build(variables)
+    @property
+    def inner_steps(self):
+        """Inner steps taken so far (Keras's `iterations`), an int variable."""
+        return self.iterations
+
+    @property
+    def variables(self):
+        # Saved and restored in this order by Keras, all of the state.
+        return (
+            super().variables
+            + self.inner_optimizer.variables
+            + self.outer_optimizer.variables
+        )
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def apply(self, grads, trainable_variables=None):
+        """One inner step: the inner optimizer's `apply`, counted.
+
+        Args:
+            grads: list of gradients, one per variable.
+            trainable_variables: list of the worker's variables. Defaults to
+                `None`: those the optimizer was built with.
+        """
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, the "
+                    "optimizer must already be built. Call "
+                    "`optimizer.build(trainable_variables)` first."
+                )
+            variables = list(self._trainable_variables)
+        else:
+            variables = list(trainable_variables)
+            self.build(variables)
         self._check_length("variables", variables, len(self.global_variables))
         self.inner_optimizer.apply(grads, variables)
-        self.inner_steps.assign_add(1)
+        self.iterations.assign_add(1)
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars, strict=True)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
 
     def due_fragments(self):
         """The fragments to sync now (`streaming_schedule` at `inner_steps`);
         `[0]` or `[]` with one fragment. Eager: reads the counter."""
-        step = int(ops.convert_to_numpy(self.inner_steps))
+        step = int(ops.convert_to_numpy(self.iterations))
         return streaming_schedule(step, self.num_fragments, self.sync_every)
 
     def pseudo_gradient(self, variables, fragment=None):
@@ -335,25 +409,32 @@ class DiLoCo:
             for i in self._indices(fragment)
         ]
 
-    def compress(self, pseudo_gradient, fragment=None):
-        """The pseudo-gradient as the other workers receive it, after
-        `compression`; with error feedback, updates this worker's error."""
+    def encode(self, pseudo_gradient, fragment=None):
+        """The payloads this worker sends (one `encode` tuple per variable
+        of `fragment`); with error feedback, adds the error first and keeps
+        what the compression lost for the next round."""
         indices = self._indices(fragment)
         self._check_length("pseudo_gradient", pseudo_gradient, len(indices))
-        if not self.error_feedback:
-            return [
-                round_trip(delta, self.compression, self.granularity)
-                for delta in pseudo_gradient
-            ]
-        sent = []
+        payloads = []
         for i, delta in zip(indices, pseudo_gradient, strict=True):
             delta = ops.convert_to_tensor(delta)
-            value, error = error_feedback_step(
-                delta, self.errors[i], self.compression, self.granularity
-            )
-            self.errors[i].assign(error)
-            sent.append(value)
-        return sent
+            if self.error_feedback:
+                delta = delta + ops.cast(self.errors[i], delta.dtype)
+            payload = encode(delta, self.compression, self.granularity)
+            if self.error_feedback:
+                self.errors[i].assign(delta - decode(payload, delta.dtype))
+            payloads.append(payload)
+        return payloads
+
+    def compress(self, pseudo_gradient, fragment=None):
+        """The pseudo-gradient as the other workers receive it, after
+        `compression` (`decode(encode(...))`); with error feedback, updates
+        this worker's error."""
+        payloads = self.encode(pseudo_gradient, fragment)
+        return [
+            decode(payload, ops.convert_to_tensor(delta).dtype)
+            for payload, delta in zip(payloads, pseudo_gradient, strict=True)
+        ]
 
     def outer_step(self, mean_pseudo_gradient, variables, fragment=None):
         """Applies the outer optimizer to `theta` with `mean_pseudo_gradient`
@@ -421,6 +502,13 @@ class DiLoCo:
                 config[key], custom_objects=custom_objects
             )
         return cls(**config)
+
+
+def _copy_of(variable):
+    def initializer(shape, dtype=None):
+        return ops.cast(ops.copy(variable), dtype or variable.dtype)
+
+    return initializer
 
 
 def simulate_sync(workers, worker_variables, fragment=None):

@@ -8,6 +8,9 @@
 - `enable_multi_worker_fit`, `multi_worker_strategy`, `is_chief`,
   `BackupAndRestore`: synchronous training on `MultiWorkerMirroredStrategy`
   (the last one resumes a restarted job exactly).
+- `DiLoCoSync`, `DiLoCoBackup`, `synchronize`, `Traffic`: synchronous
+  DiLoCo (`tf_lars.DiLoCo`) across MWMS workers, with `model.fit` or a
+  custom loop, exact resumption and the bytes counted.
 - `run_main(main)`: one line and exit status 2 for a bad `TF_CONFIG`, 3 for
   a lost parameter server.
 - `python -m tf_lars.distribute.launch`: a local multi-process cluster that
@@ -44,10 +47,16 @@ _LAZY = {
     "enable_multi_worker_fit": "tf_lars.distribute.multi_worker",
     "multi_worker_strategy": "tf_lars.distribute.multi_worker",
     "is_chief": "tf_lars.distribute.multi_worker",
+    "DiLoCoBackup": "tf_lars.distribute.diloco",
+    "DiLoCoSync": "tf_lars.distribute.diloco",
+    "Traffic": "tf_lars.distribute.diloco",
+    "synchronize": "tf_lars.distribute.diloco",
 }
 
 __all__ = [
     "BackupAndRestore",
+    "DiLoCoBackup",
+    "DiLoCoSync",
     "ParameterServerAGN",
     "ParameterServerFailure",
     "ParameterServerTrainer",
@@ -62,6 +71,8 @@ __all__ = [
     "pick_free_port",
     "run_main",
     "serve",
+    "synchronize",
+    "Traffic",
 ]
 
 
