@@ -350,11 +350,12 @@ def run(config, data=None, folder=None, overwrite=False, out=_print):
         The exit status, 0.
 
     Raises:
-        ConfigError: a bad config (an out-of-range grid point included) or
-            `DataError`, before any file is written or process started.
-        tf_lars.cli.preflight.Interrupted: Ctrl-C or SIGTERM, and
-            `WorkerLost`, a killed worker: after writing the finished
-            trainings and their table.
+        ConfigError: a bad config, an out-of-range grid point included (and
+            `DataError`: bad data), before any file is written or process
+            started.
+        tf_lars.cli.preflight.Interrupted: Ctrl-C or SIGTERM, once the
+            finished trainings and their table are written.
+        WorkerLost: a worker process died (killed); the same files written.
     """
     if data is None:
         data, folder = preflight.preflight("sweep", config, overwrite)
@@ -362,9 +363,9 @@ def run(config, data=None, folder=None, overwrite=False, out=_print):
     labels = [entry["label"] for entry in config["optimizers"]]
     _check_grid_points(config, tasks, len(data.x_train))
     workers = config["sweep"]["workers"]
-    workers = max(
-        1, min(available_cores() if workers == "auto" else workers, len(tasks))
-    )
+    if workers == "auto":
+        workers = available_cores()
+    workers = max(1, min(workers, len(tasks)))
     epochs = config["training"]["epochs"]
     out(
         f"Sweep: {len(data.x_train)} training / {len(data.x_test)} test examples "
@@ -400,7 +401,7 @@ def run(config, data=None, folder=None, overwrite=False, out=_print):
 
 
 def _write_results(run_dir, config, plan_, workers, results, wall):
-    """results.json and table.md of the finished runs; returns the table."""
+    """results.json and table.md of the finished runs; `(summary, table)`."""
     batch_sizes, factors, labels = plan_
     finished = [result for result in results if result is not None]
     summary = summarize(batch_sizes, labels, finished)
