@@ -203,17 +203,17 @@ def _gone_soon(pid, seconds=10.0):
         ),
         (
             ["--log-dir", "{tmp}/a-file"],
-            "error: `--log-dir` must be a directory (it is created if missing). "
-            "Received: --log-dir '{tmp}/a-file'",
+            "error: argument --log-dir: must be a directory (it is created if "
+            "missing). Received: '{tmp}/a-file'",
         ),
         (
             ["--python", "/nonexistent"],
-            "error: `--python` must be an executable Python interpreter. "
-            "Received: --python '/nonexistent'",
+            "error: argument --python: must be an executable Python interpreter. "
+            "Received: '/nonexistent'",
         ),
         (
             ["--host", ""],
-            "error: `--host` must be a host name or IP address. Received: --host ''",
+            "error: argument --host: must be a host name or IP address. Received: ''",
         ),
         (
             ["--timeout", "0"],
