@@ -340,6 +340,7 @@ def _option_error(args):
 
 
 def _read_cluster(text, mode):
+    """The validated cluster of `--cluster` (JSON, or `@file` of JSON)."""
     if text.startswith("@"):
         with open(text[1:], "rb") as handle:
             data = handle.read(MAX_CLUSTER_FILE_BYTES + 1)
@@ -439,6 +440,7 @@ def _enter_network(args, cluster):
 
 
 def main(argv=None):
+    """Runs the launcher on `argv` (default `sys.argv[1:]`); the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:split])
