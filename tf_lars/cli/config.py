@@ -29,20 +29,8 @@ import re
 import sys
 from typing import Annotated, Any, Literal
 
+import pydantic
 import yaml
-from pydantic import (
-    AfterValidator,
-    AllowInfNan,
-    BaseModel,
-    ConfigDict,
-    Field,
-    Strict,
-    StrictBool,
-    StrictStr,
-    ValidationError,
-    WrapValidator,
-    model_validator,
-)
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -260,14 +248,14 @@ def _ruled(kind, rule, whole_only=False):
     def validate(value, handler):
         try:
             return handler(value)
-        except ValidationError as error:
+        except pydantic.ValidationError as error:
             if whole_only and any(
                 e["loc"] or e["type"] == "unknown" for e in error.errors()
             ):
                 raise
             raise PydanticCustomError("rule", "{rule}", {"rule": rule}) from None
 
-    return Annotated[kind, WrapValidator(validate)]
+    return Annotated[kind, pydantic.WrapValidator(validate)]
 
 
 def _or(kind, rule, words=(), null=False):
@@ -280,12 +268,14 @@ def _or(kind, rule, words=(), null=False):
 
 def _int(low, high=None, words=(), null=False):
     span = f"in [{low}, {high}]" if high is not None else f">= {low}"
-    kind = Annotated[int, Strict(), Field(ge=low, le=high)]
+    kind = Annotated[int, pydantic.Strict(), pydantic.Field(ge=low, le=high)]
     return _or(kind, f"must be an int {span}", words, null)
 
 
 def _number(span, **bounds):
-    kind = Annotated[float, Strict(), AllowInfNan(False), Field(**bounds)]
+    kind = Annotated[
+        float, pydantic.Strict(), pydantic.AllowInfNan(False), pydantic.Field(**bounds)
+    ]
     return _ruled(kind, f"must be a finite number {span}")
 
 
@@ -294,7 +284,7 @@ def _choice(*choices):
 
 
 def _bool(*words):
-    return _or(StrictBool, "must be true or false", words)
+    return _or(pydantic.StrictBool, "must be true or false", words)
 
 
 def _path_text(value):
@@ -317,12 +307,12 @@ _POSITIVE = _number("> 0.0", gt=0.0)
 _BATCH = _int(1, words=("full",))
 
 
-class _Block(BaseModel):
+class _Block(pydantic.BaseModel):
     # Every key is required (the defaults hold them all) and no other key
     # is accepted; fields are in the order the messages list them.
-    model_config = ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid")
 
-    @model_validator(mode="before")
+    @pydantic.model_validator(mode="before")
     @classmethod
     def _known_keys(cls, data):
         # One error that lists the block's keys: a misspelt key explains the
@@ -351,12 +341,14 @@ class OptimizerBlock(_Block):
     (`optimizer_spec`, `build_optimizer`).
     """
 
-    class_name: _ruled(StrictStr, "must name a Keras optimizer (e.g. LARS, SGD, Adam)")
+    class_name: _ruled(
+        pydantic.StrictStr, "must name a Keras optimizer (e.g. LARS, SGD, Adam)"
+    )
     config: _ruled(dict[str, Any], "must be a mapping of constructor arguments")
     module: Any = None
     registered_name: Any = None
 
-    @model_validator(mode="before")
+    @pydantic.model_validator(mode="before")
     @classmethod
     def _config_defaults_to_empty(cls, data):
         if isinstance(data, dict) and data.get("config") is None:
@@ -375,7 +367,7 @@ MAX_CLASSES = 1_000_000
 class Data(_Block):
     # null = scikit-learn's digits; a path = an .npz with x_train, y_train,
     # x_test, y_test.
-    path: _or(StrictStr, "must be a string", null=True)
+    path: _or(pydantic.StrictStr, "must be a string", null=True)
     test_fraction: _number("in (0.0, 1.0)", gt=0.0, lt=1.0)
     split_seed: _int(0, MAX_SEED)
     num_classes: _int(2, MAX_CLASSES, null=True)
@@ -391,11 +383,11 @@ class _Common(_Block):
 
     seed: _int(0, MAX_SEED)
     output_dir: _ruled(
-        Annotated[StrictStr, AfterValidator(_path_text)],
+        Annotated[pydantic.StrictStr, pydantic.AfterValidator(_path_text)],
         "must be a path without NUL or unpaired surrogate characters",
     )
     run_name: _or(
-        Annotated[StrictStr, AfterValidator(_folder_name)],
+        Annotated[pydantic.StrictStr, pydantic.AfterValidator(_folder_name)],
         "must be one folder name (not empty, '.' or '..', without '/', NUL or "
         "unpaired surrogate characters)",
         null=True,
@@ -462,7 +454,7 @@ class SweepTraining(_Block):
 
 
 def _list(item):
-    kind = Annotated[list[item], Strict(), Field(min_length=1)]
+    kind = Annotated[list[item], pydantic.Strict(), pydantic.Field(min_length=1)]
     return _ruled(kind, "must be a list of at least 1 item(s)", whole_only=True)
 
 
@@ -474,7 +466,7 @@ class Sweep(_Block):
 
 
 class SweepOptimizer(_Block):
-    label: _ruled(StrictStr, "must be a string")
+    label: _ruled(pydantic.StrictStr, "must be a string")
     base_learning_rate: _POSITIVE
     optimizer: _OPTIMIZER
 
@@ -531,7 +523,7 @@ def validate_config(command, config):
     try:
         # Unset: only an optimizer block's `module` and `registered_name`.
         return SCHEMAS[command].model_validate(config).model_dump(exclude_unset=True)
-    except ValidationError as error:
+    except pydantic.ValidationError as error:
         first = min(error.errors(), key=lambda e: e["type"] != "unknown")
         raise ConfigError(*_message(first)) from None
 
@@ -793,22 +785,6 @@ def optimizer_spec(block, key="optimizer"):
     arguments = copy.deepcopy(block["config"])
     learning_rate = arguments.pop("learning_rate", parameters.get("learning_rate"))
     return OptimizerSpec(cls, arguments, learning_rate, key)
-
-
-def learning_rate_schedule(serialized, key="optimizer.config.learning_rate"):
-    """Deserializes a learning-rate schedule saved from Python.
-
-    Raises:
-        ConfigError: it does not load.
-    """
-    import keras
-
-    try:
-        return keras.optimizers.schedules.deserialize(serialized)
-    except Exception as error:  # noqa: BLE001 - reported to the user
-        raise ConfigError(
-            f"`{key}` is not a loadable learning-rate schedule: {_one_line(error)}"
-        ) from None
 
 
 def build_optimizer(spec, learning_rate=None):

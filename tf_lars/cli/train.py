@@ -31,7 +31,6 @@ from tf_lars.cli.config import (
     build_optimizer,
     constructor_parameters,
     dump_config,
-    learning_rate_schedule,
     optimizer_spec,
 )
 from tf_lars.cli.main import deferred, raise_pending
@@ -341,14 +340,6 @@ def build_schedule(schedule_config, peak_learning_rate, steps_per_epoch, epochs)
     return schedule
 
 
-def learning_rate_curve(learning_rate, total_steps):
-    """The learning rate of each of `total_steps` steps, as a NumPy array."""
-    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-        steps = tf.range(total_steps, dtype=tf.int64)
-        return np.asarray(learning_rate(steps), dtype=np.float64) * np.ones(total_steps)
-    return np.full(total_steps, float(learning_rate))
-
-
 def wrap_loss_scale(optimizer, loss_scale_config):
     """Wraps `optimizer` in `tf_lars.LossScaleOptimizer` as configured."""
     import tf_lars
@@ -365,7 +356,12 @@ def wrap_loss_scale(optimizer, loss_scale_config):
 
 
 class _StopOnNonFinite(keras.callbacks.Callback):
-    """Stops at the first non-finite training loss and remembers the epoch."""
+    """Stops at the first non-finite training loss and remembers the epoch.
+
+    Not `keras.callbacks.TerminateOnNaN`, which stops the same way but
+    prints a line at every stop (into `tf-lars sweep`'s table, from its
+    workers) and keeps no epoch.
+    """
 
     def __init__(self):
         super().__init__()
@@ -565,14 +561,11 @@ def fit_once(
 
 def _scores(model, train_data, test_data):
     """Loss and accuracy on the training and test sets, as floats."""
-    train_loss, train_accuracy = model.evaluate(**train_data, verbose=0)
-    test_loss, test_accuracy = model.evaluate(**test_data, verbose=0)
-    return {
-        "train_loss": float(train_loss),
-        "train_accuracy": float(train_accuracy),
-        "test_loss": float(test_loss),
-        "test_accuracy": float(test_accuracy),
-    }
+    scores = {}
+    for name, data in (("train", train_data), ("test", test_data)):
+        loss, accuracy = model.evaluate(**data, verbose=0)
+        scores |= {f"{name}_loss": float(loss), f"{name}_accuracy": float(accuracy)}
+    return scores
 
 
 def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
@@ -606,7 +599,13 @@ def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
                 "`schedule.name` to none and `schedule.base_batch_size` to null to "
                 "use it as is"
             )
-        return learning_rate_schedule(learning_rate)
+        try:
+            return keras.optimizers.schedules.deserialize(learning_rate)
+        except Exception as error:  # noqa: BLE001 - reported to the user
+            raise ConfigError(
+                "`optimizer.config.learning_rate` is not a loadable learning-rate "
+                f"schedule: {' '.join(str(error).split())}"
+            ) from None
     if base_batch_size is not None:
         learning_rate = (
             linear_scaled_learning_rate(learning_rate, batch_size, base_batch_size)
@@ -861,10 +860,14 @@ def _trust_ratio_monitor(config, optimizer, folder):
 
 
 def _learning_rates(result):
-    """The learning rate of every step run, and the number of epochs run."""
+    """The learning rate of every step run (a NumPy array), the epochs run."""
     epochs_run = len(result["history"].get("loss", []))
-    total_steps = result["steps_per_epoch"] * epochs_run
-    return learning_rate_curve(result["learning_rate"], max(total_steps, 1)), epochs_run
+    steps = max(result["steps_per_epoch"] * epochs_run, 1)
+    learning_rate = result["learning_rate"]
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        rates = np.asarray(learning_rate(tf.range(steps, dtype=tf.int64)), np.float64)
+        return rates * np.ones(steps), epochs_run
+    return np.full(steps, float(learning_rate)), epochs_run
 
 
 def _summary(data, distribution, sizes, result, learning_rates):
