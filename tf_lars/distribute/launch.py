@@ -264,7 +264,8 @@ def build_parser():
     # fmt: off
     add("--mode", choices=("ps", "sync"), default="ps",
         help="ps: parameter servers (default); sync: MultiWorkerMirroredStrategy")
-    add("--workers", type=count, default=2, help="worker tasks (default 2)")
+    add("--workers", type=count, default=2, help="worker tasks (default 2); at "
+        f"most {TASKS_PER_CPU} tasks per CPU in all (chief and ps included)")
     add("--ps", type=count, help="parameter-server tasks (ps mode only; default 1)")
     add("--host", default="localhost",
         type=_checked("a host name or IP address", _is_host),
