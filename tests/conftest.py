@@ -108,6 +108,7 @@ PARTS = {
         "cli_distribute",
         "cli_docs",
         "cli_hostile",
+        "cli_lowcomm",
         "cli_plots",
         "cli_safety",
         "cli_sweep_hostile",

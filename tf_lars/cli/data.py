@@ -72,6 +72,45 @@ def _load_digits(data_config):
     )
 
 
+#: The problem `synthetic_data` makes: scikit-learn's `make_classification`.
+SYNTHETIC = {
+    "n_samples": 40_000,
+    "n_features": 64,
+    "n_informative": 40,
+    "n_redundant": 8,
+    "n_classes": 10,
+    "n_clusters_per_class": 2,
+    "class_sep": 1.5,
+    "flip_y": 0.0,
+}
+SYNTHETIC_TEST = 10_000
+
+
+def synthetic_data(seed):
+    """A classification problem made at run time, larger than digits.
+
+    scikit-learn's `make_classification` with `SYNTHETIC`'s settings and
+    `random_state=seed`: 40,000 examples of 64 features in 10 classes, the
+    last 10,000 held out as the test set. Nothing is downloaded.
+    """
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(**SYNTHETIC, random_state=seed)
+    cut = SYNTHETIC["n_samples"] - SYNTHETIC_TEST
+    return _finish(
+        x[:cut],
+        y[:cut],
+        x[cut:],
+        y[cut:],
+        None,
+        source=(
+            "synthetic: scikit-learn make_classification, 40,000 examples, 64 "
+            f"features, 10 classes, random_state={seed}"
+        ),
+        where="synthetic",
+    )
+
+
 def _load_npz(data_config):
     path = data_config["path"]
     where = f"data.path={path}"

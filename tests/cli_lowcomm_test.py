@@ -1,0 +1,124 @@
+"""`tf-lars lowcomm`: the simulated methods against each other where the
+rules say they agree, the bytes counted, the table, and the command."""
+
+import numpy as np
+import pytest
+
+from tf_lars.cli.data import synthetic_data
+from tf_lars.cli.lowcomm import format_table, plan, run_one
+
+
+@pytest.fixture(scope="module")
+def data():
+    full = synthetic_data(0)
+    # A slice keeps the test fast; the rules do not depend on the size.
+    return full._replace(
+        x_train=full.x_train[:512],
+        y_train=full.y_train[:512],
+        x_test=full.x_test[:256],
+        y_test=full.y_test[:256],
+    )
+
+
+def _sgd(rate, momentum=0.0):
+    return {
+        "class_name": "SGD",
+        "config": {"learning_rate": rate, "momentum": momentum},
+    }
+
+
+def _settings(inner, outer, async_outer=None, steps=12):
+    return {
+        "seed": 3,
+        "steps": steps,
+        "batch_size": 16,
+        "width": 8,
+        "inner": inner,
+        "outer": outer,
+        "async_outer": async_outer or outer,
+    }
+
+
+def _close(a, b):
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_one_step_outer_sgd_one_is_data_parallel(data):
+    settings = _settings(_sgd(0.1), _sgd(1.0))
+    dp_row, dp = run_one("dp", data, 2, 1, settings)
+    row, diloco = run_one("diloco", data, 2, 1, settings)
+    _close(dp, diloco)
+    assert row["test_accuracy"] == dp_row["test_accuracy"]
+
+
+def test_async_commits_of_plain_sgd_add_up_to_the_sync_outer_step(data):
+    # Every worker pulls the same center at a round's start, so M commits
+    # of SGD(L / M) move it as one synchronous outer SGD(L) step.
+    inner = _sgd(0.05, momentum=0.9)
+    settings = _settings(inner, _sgd(0.5), async_outer=_sgd(0.5))
+    _, sync = run_one("diloco", data, 2, 3, settings)
+    _, asynchronous = run_one("async_diloco", data, 2, 3, settings)
+    _close(sync, asynchronous)
+
+
+def test_agn_commit_is_the_outer_sgd_one_over_period(data):
+    # AGN's commit with plain SGD(a): center -= a * sum(grads) / H; the
+    # pseudo-gradient is a * sum(grads): outer SGD(1 / H) per commit, i.e.
+    # the async rate M / H.
+    settings = _settings(_sgd(0.1), _sgd(1.0), async_outer=_sgd(2 / 4))
+    _, agn = run_one("agn", data, 2, 4, settings)
+    _, asynchronous = run_one("async_diloco", data, 2, 4, settings)
+    _close(agn, asynchronous)
+
+
+def test_the_methods_differ_where_the_rules_do(data):
+    settings = _settings(_sgd(0.1, 0.9), _sgd(0.7, 0.9))
+    _, dp = run_one("dp", data, 2, 1, settings)
+    _, diloco = run_one("diloco", data, 2, 4, settings)
+    assert max(np.abs(a - b).max() for a, b in zip(dp, diloco, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "method, workers, sync_every, exchanges, received",
+    [
+        ("dp", 2, 1, 12, 12),  # every step, one other worker's payload
+        ("dp", 4, 1, 12, 36),
+        ("diloco", 4, 5, 2, 6),  # steps 5 and 10 of 12
+        ("agn", 4, 5, 2, 2),  # two rounds: one push, one pull each
+        ("async_diloco", 2, 3, 4, 4),
+    ],
+)
+def test_bytes_are_counted_per_exchange(
+    data, method, workers, sync_every, exchanges, received
+):
+    payload = 4 * (64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10)  # float32 weights
+    row, _ = run_one(method, data, workers, sync_every, _settings(_sgd(0.1), _sgd(1.0)))
+    assert row["exchanges"] == exchanges
+    assert row["bytes_sent"] == exchanges * payload
+    assert row["bytes_received"] == received * payload
+
+
+def test_plan_and_table():
+    config = {"workers": [2], "sync_every": [10, 50]}
+    assert plan(config) == [
+        ("dp", 2, 1),
+        ("agn", 2, 10),
+        ("async_diloco", 2, 10),
+        ("diloco", 2, 10),
+        ("agn", 2, 50),
+        ("async_diloco", 2, 50),
+        ("diloco", 2, 50),
+    ]
+    rows = [
+        {"method": "dp", "label": "sync data parallel", "workers": 2, "sync_every": 1,
+         "test_accuracy": 0.9, "bytes_sent": 5000, "bytes_received": 5000,
+         "wall_seconds": 1.25},
+        {"method": "diloco", "label": "sync DiLoCo", "workers": 2, "sync_every": 50,
+         "test_accuracy": 0.8975, "bytes_sent": 100, "bytes_received": 100,
+         "wall_seconds": 2.0},
+    ]  # fmt: skip
+    assert format_table(rows).splitlines()[2:] == [
+        "| sync data parallel | 2 | 1 | 90.00 | +0.00 | 10,000 | 1x | 1.2 |",
+        "| sync DiLoCo | 2 | 50 | 89.75 | -0.25 | 200 | 50x | 2.0 |",
+    ]
