@@ -477,3 +477,38 @@ def test_the_guide_s_example_runs_as_pasted(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("outer steps: 30, largest error: 0.00")
     assert lines[1] == "workers agree: True"
+
+
+def test_model_fit_takes_the_inner_steps_and_save_keeps_every_variable(tmp_path):
+    # On every backend: `model.fit` with a DiLoCo (no exchange without
+    # `DiLoCoSync`) steps exactly as its inner optimizer alone, and a
+    # `.keras` file restores all of its state.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1))).astype("float32")
+
+    def fit(optimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer, "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    model = fit(DiLoCo(keras.optimizers.SGD(0.05, momentum=0.9), sync_every=3))
+    alone = fit(keras.optimizers.SGD(0.05, momentum=0.9))
+    for a, b in zip(model.get_weights(), alone.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(ops.convert_to_numpy(model.optimizer.inner_steps)) == 8
+    path = str(tmp_path / "diloco.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, DiLoCo)
+    assert loaded.optimizer.sync_every == 3
+    names = [v.path for v in model.optimizer.variables]
+    assert names[:4] == ["diloco/iteration", "diloco/learning_rate"] + [
+        "diloco/global_0",
+        "diloco/global_1",
+    ]
+    assert len(loaded.optimizer.variables) == len(names)
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
