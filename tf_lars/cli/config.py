@@ -491,12 +491,13 @@ def _message(error):
         return f"`{key}` {error['ctx']['rule']}. {shown}", key
     if error["type"] == "unknown":
         where = f"`{key}`" if key else "the config"
-        key = f"{key}.{error['ctx']['name']}".lstrip(".")
+        key = f"{key}.{error['ctx']['name']}" if key else error["ctx"]["name"]
         valid = error["ctx"]["valid"]
         return f"Unknown config key `{key}`. Valid keys in {where}: {valid}", key
     if error["type"] == "missing":
-        hint = " (e.g. LARS, SGD, Adam)" if key.endswith(".class_name") else ""
-        return f"Config key `{key}` is missing{hint}", key
+        if key.endswith(".class_name"):
+            return f"`{key}` is missing (e.g. LARS, SGD, Adam)", key
+        return f"Config key `{key}` is missing", key
     return f"`{key}`: {error['msg']}. {shown}", key
 
 
