@@ -42,6 +42,19 @@ def build_parser():
         "--optimizer", choices=("sgd", "momentum", "adam", "lars"), default="sgd"
     )
     parser.add_argument("--learning-rate", type=float, default=0.5)
+    parser.add_argument(
+        "--outer-learning-rate",
+        type=float,
+        default=None,
+        help="asynchronous DiLoCo: an outer SGD at this rate applies each commit's "
+        "pseudo-gradient (default: AGN's own commit)",
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="the outer SGD's Nesterov momentum (with --outer-learning-rate)",
+    )
     parser.add_argument("--hidden", type=int, default=64, help="hidden units")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument(
@@ -235,7 +248,16 @@ def train(args, config, strategy, coordinator):
                 keras.layers.Dense(10),
             ]
         )
-        optimizer = tf_lars.AGN(_make_inner(args), communication_period=args.period)
+        outer = None
+        if args.outer_learning_rate is not None:
+            outer = keras.optimizers.SGD(
+                args.outer_learning_rate,
+                momentum=args.outer_momentum,
+                nesterov=args.outer_momentum > 0,
+            )
+        optimizer = tf_lars.AGN(
+            _make_inner(args), communication_period=args.period, outer_optimizer=outer
+        )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     batch_size = args.batch_size
     delay_us = int(args.input_delay_ms * 1000)

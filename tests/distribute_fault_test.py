@@ -63,13 +63,22 @@ def _check_terminal(output, log_dir):
     assert "Traceback" not in echoed
 
 
+# AGN's own commit, and asynchronous DiLoCo (an outer Nesterov SGD on the
+# parameter servers: 0.2 per commit is AGN's 1 / period, with momentum).
+OUTER = {
+    "agn": (),
+    "outer": ("--outer-learning-rate", "0.2", "--outer-momentum", "0.5"),
+}
+
+
 @pytest.mark.slow
-def test_worker_killed_and_restarted_training_finishes(tmp_path):
+@pytest.mark.parametrize("commit", sorted(OUTER))
+def test_worker_killed_and_restarted_training_finishes(tmp_path, commit):
     result_path = tmp_path / "result.json"
     with LaunchedCluster(
         tmp_path / "logs",
         ["--workers", "2", "--ps", "1", "--restart-workers", "--restart-delay", "0.5"],
-        _program(result_path, 25),
+        _program(result_path, 25, *OUTER[commit]),
     ) as run:
         run.wait_for(r"\[agn\] commits 20/", 180)
         killed = run.kill_task("worker", 1)
