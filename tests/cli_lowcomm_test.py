@@ -1,6 +1,9 @@
 """`tf-lars lowcomm`: the simulated methods against each other where the
 rules say they agree, the bytes counted, the table, and the command."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -32,7 +35,7 @@ def _settings(inner, outer, async_outer=None, steps=12):
         "seed": 3,
         "steps": steps,
         "batch_size": 16,
-        "width": 8,
+        "model": {"name": "mlp", "width": 8},
         "inner": inner,
         "outer": outer,
         "async_outer": async_outer or outer,
@@ -122,3 +125,68 @@ def test_plan_and_table():
         "| sync data parallel | 2 | 1 | 90.00 | +0.00 | 10,000 | 1x | 1.2 |",
         "| sync DiLoCo | 2 | 50 | 89.75 | -0.25 | 200 | 50x | 2.0 |",
     ]
+
+
+TINY = [
+    "--set", "training.steps=20",
+    "--set", "training.batch_size=16",
+    "--set", "model.width=8",
+    "--set", "workers=[2]",
+    "--set", "sync_every=[5, 10]",
+]  # fmt: skip
+
+
+def test_the_command_writes_the_table_results_and_plot(tmp_path, run_cli):
+    code, out, err = run_cli(
+        "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc", *TINY
+    )
+    assert code == 0, err
+    folder = tmp_path / "lc"
+    assert sorted(os.listdir(folder)) == [
+        "config.yaml", "lowcomm.png", "results.json", "table.md"
+    ]  # fmt: skip
+    runs = json.loads((folder / "results.json").read_text())["runs"]
+    assert [(r["method"], r["sync_every"]) for r in runs] == [
+        ("dp", 1),
+        ("agn", 5), ("async_diloco", 5), ("diloco", 5),
+        ("agn", 10), ("async_diloco", 10), ("diloco", 10),
+    ]  # fmt: skip
+    payload = 4 * (64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10)
+    assert [r["bytes_sent"] for r in runs] == [20 * payload] + [4 * payload] * 3 + [
+        2 * payload
+    ] * 3
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in runs)
+    table = (folder / "table.md").read_text()
+    assert table.count("\n") == 2 + len(runs)
+    assert "| sync DiLoCo | 2 | 10 |" in table and "| 10x |" in table
+    assert out.count("\n[") == 6 and out.startswith("[1/7] sync data parallel, M=2")
+    assert "synthetic: scikit-learn make_classification" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--set", "workers=[0]"],
+            "`workers.0` must be an int in [1, 64]. Received: workers.0=0",
+        ),
+        (["--set", "sync_every=[]"], "`sync_every` must be a list of at least 1"),
+        (["--set", "problem=cifar"], "`problem` must be one of"),
+        (
+            ["--set", "training.batch_size=20000"],
+            "`training.batch_size` must be at most the smallest worker's shard "
+            "(30000 training examples / 8 workers = 3750). Received: "
+            "training.batch_size=20000",
+        ),
+        (
+            ["--set", "outer_optimizer.class_name=NoSuch"],
+            "outer_optimizer",
+        ),
+    ],
+)
+def test_bad_configs_are_one_line_and_status_2(
+    tmp_path, run_cli, one_line_error, overrides, message
+):
+    code, _, err = run_cli("lowcomm", "--set", f"output_dir={tmp_path}", *overrides)
+    assert message in one_line_error(code, err, command="lowcomm")
+    assert os.listdir(tmp_path) == []

@@ -807,7 +807,7 @@ def test_bench_is_not_a_command_of_the_installed_command_line(run_cli):
     assert out == ""
     assert err.splitlines()[-1] == (
         "tf-lars: error: argument COMMAND: invalid choice: 'bench' "
-        "(choose from 'train', 'sweep')"
+        "(choose from 'train', 'sweep', 'lowcomm')"
     )
     assert "Traceback" not in err
 

@@ -480,7 +480,24 @@ class SweepConfig(_Common):
     optimizers: _list(_block(SweepOptimizer))
 
 
-SCHEMAS = {"train": TrainConfig, "sweep": SweepConfig}
+class LowcommTraining(_Block):
+    steps: _int(1)
+    batch_size: _int(1)
+
+
+class LowcommConfig(_Common):
+    """A `tf-lars lowcomm` config."""
+
+    problem: _choice("synthetic", "data")
+    training: _block(LowcommTraining)
+    workers: _list(_int(1, 64))
+    sync_every: _list(_int(1))
+    inner_optimizer: _OPTIMIZER
+    outer_optimizer: _OPTIMIZER
+    async_outer_optimizer: _OPTIMIZER
+
+
+SCHEMAS = {"train": TrainConfig, "sweep": SweepConfig, "lowcomm": LowcommConfig}
 
 
 def _message(error):

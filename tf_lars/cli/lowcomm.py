@@ -45,13 +45,17 @@ LABELS = {
 }
 
 
-def _model(input_shape, num_classes, width, seed):
+def _model(input_shape, num_classes, model_config, seed):
+    from tf_lars.cli.train import build_model
+
     keras.utils.set_random_seed(seed)
-    inputs = keras.Input(input_shape)
-    x = keras.layers.Flatten()(inputs)
-    for _ in range(2):
-        x = keras.layers.Dense(width, activation="relu")(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+    return build_model(model_config, input_shape, num_classes)
+
+
+def _optimizer(block, key):
+    from tf_lars.cli.config import optimizer_from_block
+
+    return optimizer_from_block(block, key=key)
 
 
 def _batches(data, workers, settings):
@@ -83,7 +87,7 @@ class _Simulation:
     def __init__(self, data, workers, settings):
         shape = data.x_train.shape[1:]
         self.models = [
-            _model(shape, data.num_classes, settings["width"], settings["seed"])
+            _model(shape, data.num_classes, settings["model"], settings["seed"])
             for _ in range(workers)
         ]
         self.variables = [m.trainable_variables for m in self.models]
@@ -108,8 +112,8 @@ def run_one(method, data, workers, sync_every, settings):
         workers: int, M.
         sync_every: int, H (ignored by `dp`).
         settings: dict with `seed`, `steps` (inner steps per worker),
-            `batch_size` (per worker), `width` (the MLP's), `inner`, `outer`
-            and `async_outer` (serialized Keras optimizers; the last one's
+            `batch_size` (per worker), `model` (the model block), `inner`,
+            `outer` and `async_outer` (optimizer blocks; the last one's
             learning rate is divided by M).
 
     Returns:
@@ -118,13 +122,13 @@ def run_one(method, data, workers, sync_every, settings):
     """
     sim = _Simulation(data, workers, settings)
     variables, payload = sim.variables, sim.payload
-    inner = lambda: keras.optimizers.get(settings["inner"])  # noqa: E731
-    outer_config = settings["outer"]
+    inner = lambda: _optimizer(settings["inner"], "inner_optimizer")  # noqa: E731
+    outer_config, key = settings["outer"], "outer_optimizer"
     if method == "async_diloco":
-        outer_config = settings["async_outer"]
+        outer_config, key = settings["async_outer"], "async_outer_optimizer"
         outer_config = {**outer_config, "config": dict(outer_config["config"])}
         outer_config["config"]["learning_rate"] /= workers
-    outer = lambda: keras.optimizers.get(outer_config)  # noqa: E731
+    outer = lambda: _optimizer(outer_config, key)  # noqa: E731
     batches = _batches(data, workers, settings)
     if method == "dp":
         optimizer = inner()
@@ -240,7 +244,7 @@ def _settings(config):
         "seed": config["seed"],
         "steps": config["training"]["steps"],
         "batch_size": config["training"]["batch_size"],
-        "width": config["model"]["width"],
+        "model": config["model"],
         "inner": config["inner_optimizer"],
         "outer": config["outer_optimizer"],
         "async_outer": config["async_outer_optimizer"],

@@ -1,15 +1,18 @@
-"""The `tf-lars` command line: `train` and `sweep`.
+"""The `tf-lars` command line: `train`, `sweep` and `lowcomm`.
 
 ```
 tf-lars [--tf-log] train [--config FILE] [--set key=value ...]
 tf-lars [--tf-log] sweep [--config FILE] [--set key=value ...]
+tf-lars [--tf-log] lowcomm [--config FILE] [--set key=value ...]
 ```
 
 `train` runs one training from a YAML config (the default trains a small
 CNN with LARS on scikit-learn's digits) and writes a run folder. `sweep`
 trains each optimizer of its config (by default SGD-momentum, LARS,
 Nesterov, AdamW and LAMB) across batch sizes and learning rates and prints a
-table of test accuracy. The optimizer step benchmarks are not part of the
+table of test accuracy. `lowcomm` compares ways of training across workers
+(an all-reduce every step, AGN, asynchronous and synchronous DiLoCo) by test
+accuracy and bytes communicated. The optimizer step benchmarks are not part of the
 installed command line: `python benchmarks/bench.py` runs them from a source
 checkout.
 
@@ -78,6 +81,12 @@ def _parser():
             "train each optimizer of the config (by default SGD-momentum, LARS, "
             "Nesterov, AdamW and LAMB) across batch sizes and learning rates; "
             "print a table and save a plot",
+        ),
+        (
+            "lowcomm",
+            "compare synchronous data parallel, AGN, asynchronous and synchronous "
+            "DiLoCo with M workers simulated in one process: test accuracy, wall "
+            "time and bytes communicated per worker; print a table and save a plot",
         ),
     ):
         command = commands.add_parser(name, help=help_text, description=help_text)

@@ -32,6 +32,7 @@ RUN_FILES = {
     "sweep": (
         "config.yaml", "results.json", "table.md", "sweep.png", "INTERRUPTED",
     ),
+    "lowcomm": ("config.yaml", "results.json", "table.md", "lowcomm.png"),
 }  # fmt: skip
 INTERRUPTED_NOTE = "INTERRUPTED"
 
@@ -391,11 +392,27 @@ def check_sweep(config, data):
         )
 
 
+def check_lowcomm(config, data):
+    from tf_lars.cli.config import optimizer_spec
+
+    check_model_input(config["model"], data.x_train.shape[1:])
+    for key in ("inner_optimizer", "outer_optimizer", "async_outer_optimizer"):
+        optimizer_spec(config[key], key)
+    smallest = len(data.x_train) // max(config["workers"])
+    if config["training"]["batch_size"] > smallest:
+        raise ConfigError(
+            "`training.batch_size` must be at most the smallest worker's shard "
+            f"({len(data.x_train)} training examples / {max(config['workers'])} "
+            f"workers = {smallest}). Received: training.batch_size="
+            f"{config['training']['batch_size']}"
+        )
+
+
 def preflight(command, config, overwrite=False):
     """Every check of a validated config that needs no TensorFlow.
 
     Args:
-        command: str, "train" or "sweep".
+        command: str, "train", "sweep" or "lowcomm".
         config: a validated config (`tf_lars.cli.config.load_config`).
         overwrite: bool, the `--overwrite` option.
 
@@ -408,13 +425,15 @@ def preflight(command, config, overwrite=False):
         ConfigError: the first problem found in the config.
         DataError: the first problem found in the data.
     """
-    from tf_lars.cli.data import load_data
+    from tf_lars.cli.data import load_data, synthetic_data
 
-    data = load_data(config["data"])
-    if command == "train":
-        check_train(config, data)
+    if command == "lowcomm" and config["problem"] == "synthetic":
+        data = synthetic_data(config["seed"])
     else:
-        check_sweep(config, data)
+        data = load_data(config["data"])
+    {"train": check_train, "sweep": check_sweep, "lowcomm": check_lowcomm}[command](
+        config, data
+    )
     multi_worker = command == "train" and (
         config["distribute"]["strategy"] == "multi_worker"
     )
