@@ -145,6 +145,7 @@ def test_the_command_writes_the_table_results_and_plot(tmp_path, run_cli):
     assert sorted(os.listdir(folder)) == [
         "config.yaml", "lowcomm.png", "results.json", "table.md"
     ]  # fmt: skip
+    assert os.path.getsize(folder / "lowcomm.png") > 10_000
     runs = json.loads((folder / "results.json").read_text())["runs"]
     assert [(r["method"], r["sync_every"]) for r in runs] == [
         ("dp", 1),

@@ -286,6 +286,8 @@ def run(config, data, folder, overwrite=False, out=print):
     from tf_lars.cli.main import deferred
     from tf_lars.cli.plots import plot_communication
 
+    for key in ("inner_optimizer", "outer_optimizer", "async_outer_optimizer"):
+        _optimizer(config[key], key)  # a bad block: one line, before any run
     preflight.open_run_dir(folder, "lowcomm")
     preflight.write_text(folder, "config.yaml", dump_config(config))
     settings = _settings(config)

@@ -185,28 +185,39 @@ def plot_sweep(batch_sizes, series, path, title):
 
 
 def plot_communication(rows, path):
-    """Test accuracy against the bytes each worker communicated (log x), one
-    series per method and M; DiLoCo's and AGN's points labelled with H."""
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    """Test accuracy against the bytes each worker communicated (log x): a
+    colour per method, a marker and line style per M; AGN's and DiLoCo's
+    points labelled with H."""
+    figure, axes = plt.subplots(figsize=(8, 5))
+    labels = sorted({row["label"] for row in rows})
+    colours = {label: f"C{index}" for index, label in enumerate(labels)}
+    counts = sorted({row["workers"] for row in rows})
+    styles = {
+        m: ("os^vDP*"[i % 7], ("-", "--", ":", "-.")[i % 4])
+        for i, m in enumerate(counts)
+    }
     series = {}
     for row in rows:
-        key = (row["label"], row["workers"])
-        series.setdefault(key, []).append(row)
+        series.setdefault((row["label"], row["workers"]), []).append(row)
     for (label, workers), points in sorted(series.items()):
         points = sorted(points, key=lambda r: r["bytes_sent"])
         x = [r["bytes_sent"] + r["bytes_received"] for r in points]
         y = [100 * r["test_accuracy"] for r in points]
-        (line,) = axes.plot(x, y, "o-", label=f"{label}, M={workers}")
+        marker, style = styles[workers]
+        axes.plot(
+            x, y, marker=marker, linestyle=style, color=colours[label],
+            label=f"{label}, M={workers}",
+        )  # fmt: skip
         if label != "sync data parallel":
             for r, xi, yi in zip(points, x, y, strict=True):
                 axes.annotate(
-                    f"H={r['sync_every']}", (xi, yi), fontsize=7,
-                    color=line.get_color(), xytext=(3, 3), textcoords="offset points",
+                    f"{r['sync_every']}", (xi, yi), fontsize=6,
+                    color=colours[label], xytext=(3, 3), textcoords="offset points",
                 )  # fmt: skip
     axes.set_xscale("log")
-    axes.set_xlabel("bytes per worker, sent + received (log scale)")
+    axes.set_xlabel("bytes per worker, sent + received (log scale); labels: H")
     axes.set_ylabel("test accuracy (%)")
     axes.set_title("Accuracy against communication")
-    axes.legend(fontsize=7)
+    axes.legend(fontsize=7, ncol=2)
     axes.grid(alpha=0.3)
     _save(figure, path)
