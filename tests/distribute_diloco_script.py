@@ -1,17 +1,18 @@
 """One worker of a 2-worker synchronous DiLoCo job on MWMS.
 
     distribute_diloco_script.py OUT BACKUP_DIR fit [--kill EPOCH:BATCH]
-    distribute_diloco_script.py OUT BACKUP_DIR loop
+    distribute_diloco_script.py OUT BACKUP_DIR all
 
 `fit`: `model.fit` with `DiLoCoSync` and `DiLoCoBackup` (4 epochs of 4
 steps, sync_every=3: outer steps fall inside epochs); with `--kill`, worker 1
 SIGKILLs itself after that batch on the job's first run, and the launcher
-restarts the whole job. `loop`: a custom loop with `synchronize`, int4
-codes with error feedback and two streaming fragments; then H = 1 with
-outer SGD(1.0) (data-parallel SGD). Each worker writes `.npz` files under
-OUT (`fit-worker<I>.npz`, `loop-worker<I>.npz`, `dp-worker<I>.npz`) with
-its weights, optimizer state and byte counts; the test compares them with
-a one-process simulation (tests/distribute_diloco_test.py).
+restarts the whole job. `all`: the same `fit`, then in the same processes
+a custom loop with `synchronize`, int4 codes with error feedback and two
+streaming fragments, and H = 1 with outer SGD(1.0) (data-parallel SGD).
+Each worker writes `.npz` files under OUT (`fit-worker<I>.npz`,
+`loop-worker<I>.npz`, `dp-worker<I>.npz`) with its weights, optimizer state
+and byte counts; the test compares them with a one-process simulation
+(tests/distribute_diloco_test.py).
 """
 
 import os
@@ -173,9 +174,8 @@ def main(out, backup_dir, mode, kill):
     config = distribute.parse_tf_config(mode="sync")
     strategy = distribute.multi_worker_strategy(config, communication_timeout=60)
     worker = config.task_index
-    if mode == "fit":
-        run_fit(out, backup_dir, worker, strategy, kill)
-    else:
+    run_fit(out, backup_dir, worker, strategy, kill)
+    if mode == "all":  # the same processes go on with the custom loops
         run_loop(out, worker, strategy, loop_optimizer, "loop")
         run_loop(out, worker, strategy, dp_optimizer, "dp")
     print(f"[worker {worker}] done", flush=True)

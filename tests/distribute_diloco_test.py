@@ -64,9 +64,8 @@ def jobs(tmp_path_factory):
     launched = {
         name: _launch(str(tmp_path_factory.mktemp(name)), *arguments)
         for name, arguments in (
-            ("uninterrupted", ("fit",)),
+            ("uninterrupted", ("all",)),
             ("interrupted", ("fit", "--kill", "2:1")),
-            ("loop", ("loop",)),
         )
     }
     outputs = {}
@@ -166,14 +165,14 @@ def test_killed_worker_restarted_job_ends_bit_for_bit_as_uninterrupted(jobs):
 def test_custom_loop_int4_streaming_equals_the_simulation(jobs):
     models = _simulate(script.loop_optimizer, script.STEPS * script.EPOCHS)
     for worker in range(2):
-        saved = _load(jobs["loop"], f"loop-worker{worker}")
+        saved = _load(jobs["uninterrupted"], f"loop-worker{worker}")
         for got, want in zip(_weights(saved), _numbers(models[worker]), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Fragment 0 (the kernels (5, 6) and (6, 2)) syncs at steps 4, 8, 12, 16,
     # fragment 1 (the biases) at 2, 6, 10, 14. int4 codes two to a byte,
     # padded to 4-byte words, one float32 scale per row (per tensor for the
     # biases): kernels 16 + 20 + 8 + 24 bytes, biases 4 + 4 + 4 + 4.
-    saved = _load(jobs["loop"], "loop-worker1")
+    saved = _load(jobs["uninterrupted"], "loop-worker1")
     assert int(saved["outer_steps"]) == 8
     assert int(saved["bytes_sent"]) == 4 * 68 + 4 * 16
     assert int(saved["bytes_received"]) == int(saved["bytes_sent"])
@@ -195,7 +194,7 @@ def test_one_inner_step_and_outer_sgd_one_is_data_parallel_sgd(jobs):
         for variable, pair in zip(model.trainable_variables, zip(*grads), strict=True):
             variable.assign(variable - 0.1 * (pair[0] + pair[1]) / 2)
     for worker in range(2):
-        saved = _load(jobs["loop"], f"dp-worker{worker}")
+        saved = _load(jobs["uninterrupted"], f"dp-worker{worker}")
         for got, want in zip(_weights(saved), _numbers(model), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert int(saved["bytes_sent"]) == 16 * 4 * PARAMETERS
