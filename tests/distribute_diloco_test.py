@@ -8,8 +8,6 @@ counted exactly. Bad arguments: tests/diloco_test.py and below."""
 
 import os
 import signal
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tests import distribute_diloco_script as script
-from tests.distribute_launch_helpers import REPO, launcher_env
+from tests.distribute_launch_helpers import start_launcher
 from tf_lars.diloco import simulate_sync
 from tf_lars.distribute.diloco import DiLoCoBackup, DiLoCoSync, synchronize
 
@@ -29,21 +27,10 @@ PARAMETERS = 5 * 6 + 6 + 6 * 2 + 2  # the model's trainable entries
 def _launch(root, *program_args):
     out, backup = os.path.join(root, "out"), os.path.join(root, "backup")
     os.makedirs(out)
-    command = [
-        sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync",
-        "--workers", "2", "--restart-job", "1",
-        "--log-dir", os.path.join(root, "logs"),
-        "--", SCRIPT, out, backup, *program_args,
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=launcher_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    process = start_launcher(
+        os.path.join(root, "logs"),
+        ["--mode", "sync", "--workers", "2", "--restart-job", "1"],
+        [SCRIPT, out, backup, *program_args],
     )
     return process, out, root
 

@@ -162,6 +162,25 @@ class LaunchedCluster:
         self.close()
 
 
+def start_launcher(log_dir, launcher_args, program, stderr=subprocess.STDOUT):
+    """Starts `python -m tf_lars.distribute.launch` in its own session;
+    returns the `Popen` (text mode, stdout piped, stderr into it by default)."""
+    command = [
+        sys.executable, "-m", "tf_lars.distribute.launch",
+        "--log-dir", str(log_dir), *launcher_args, "--", *program,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=launcher_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def run_launcher(log_dir, launcher_args, program, timeout):
     """Runs the launcher to its end; returns `(status, stdout, stderr)`.
 
@@ -170,26 +189,7 @@ def run_launcher(log_dir, launcher_args, program, timeout):
     errors. The launcher stops its tasks when it ends; if it does not end in
     `timeout` seconds, it and its tasks are killed.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "tf_lars.distribute.launch",
-        "--log-dir",
-        str(log_dir),
-        *launcher_args,
-        "--",
-        *program,
-    ]
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=launcher_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = start_launcher(log_dir, launcher_args, program, subprocess.PIPE)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -9,8 +9,6 @@ repeating batches with `save_freq=<int>`.
 
 import os
 import signal
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -19,7 +17,7 @@ import tensorflow as tf
 
 import tf_lars
 from tests import distribute_preempt_script as script
-from tests.distribute_launch_helpers import REPO, launcher_env
+from tests.distribute_launch_helpers import start_launcher
 from tf_lars.distribute.multi_worker import (
     BackupAndRestore,
     _as_bits,
@@ -36,33 +34,10 @@ def _launch(root, *program_args):
     """Starts the launcher; returns (process, out_dir, backup_dir)."""
     out, backup = os.path.join(root, "out"), os.path.join(root, "backup")
     os.makedirs(out)
-    command = [
-        sys.executable,
-        "-m",
-        "tf_lars.distribute.launch",
-        "--mode",
-        "sync",
-        "--workers",
-        "2",
-        "--restart-job",
-        "1",
-        "--log-dir",
+    process = start_launcher(
         os.path.join(root, "logs"),
-        "--",
-        SCRIPT,
-        out,
-        backup,
-        *program_args,
-    ]
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=launcher_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        ["--mode", "sync", "--workers", "2", "--restart-job", "1"],
+        [SCRIPT, out, backup, *program_args],
     )
     return process, out, backup
 

@@ -97,11 +97,18 @@ def seed_reference(strategy, coordinator):
     }
 
 
-def two_weight_trainer(strategy, coordinator, period, checkpoint_dir, **kwargs):
-    """`(model, optimizer, trainer)`: `TwoWeights` trained by AGN over SGD(0.01)."""
+def two_weight_trainer(
+    strategy, coordinator, period, checkpoint_dir, make_outer=None, **kwargs
+):
+    """`(model, optimizer, trainer)`: `TwoWeights` trained by AGN over SGD(0.01)
+    (with `make_outer()` as its outer optimizer, if given)."""
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), TwoWeights()])
-        optimizer = tf_lars.AGN(keras.optimizers.SGD(0.01), communication_period=period)
+        optimizer = tf_lars.AGN(
+            keras.optimizers.SGD(0.01),
+            communication_period=period,
+            outer_optimizer=make_outer() if make_outer else None,
+        )
     trainer = trainer_lib.ParameterServerTrainer(
         model,
         negative_mean,
@@ -203,25 +210,15 @@ def outer_nesterov_free(strategy, coordinator, checkpoint_dir):
     """
 
     def make():
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((1,)), TwoWeights()])
-            optimizer = tf_lars.AGN(
-                keras.optimizers.SGD(0.01),
-                communication_period=3,
-                outer_optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
-            )
-        trainer = trainer_lib.ParameterServerTrainer(
-            model,
-            negative_mean,
-            optimizer,
-            dataset_fn,
+        return two_weight_trainer(
             strategy,
-            coordinator=coordinator,
-            checkpoint_dir=checkpoint_dir,
+            coordinator,
+            3,
+            checkpoint_dir,
+            make_outer=lambda: keras.optimizers.SGD(0.5, momentum=0.9),
             checkpoint_every=4,
             log=lambda line: None,
         )
-        return model, optimizer, trainer
 
     model, optimizer, trainer = make()
     trainer.fit(rounds=8)
