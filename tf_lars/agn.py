@@ -617,14 +617,12 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         return tf.constant(True)
 
     def get_config(self):
-        # Without an outer optimizer the config is AGN's as it always was.
-        outer = {}
-        if self.outer_optimizer is not None:
-            outer["outer_optimizer"] = _internals.portable_optimizer_config(
-                self.outer_optimizer
-            )
+        outer = self.outer_optimizer
         return self._wrapper_config(
-            communication_period=self.communication_period, **outer
+            communication_period=self.communication_period,
+            outer_optimizer=(
+                None if outer is None else _internals.portable_optimizer_config(outer)
+            ),
         )
 
     @classmethod

@@ -376,7 +376,7 @@ class DiLoCo(keras.optimizers.Optimizer):
                     "optimizer must already be built. Call "
                     "`optimizer.build(trainable_variables)` first."
                 )
-            variables = list(self._trainable_variables)
+            variables = list(_internals.trainable_variables_of(self))
         else:
             variables = list(trainable_variables)
             self.build(variables)
