@@ -21,7 +21,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["oldest", "newest"]
 
 #: The tests a matrix session runs by default: every optimizer, saved files
-#: across versions, and synchronous multi-worker training. Not the 0.1.0
+#: across versions, and synchronous multi-worker training (DiLoCo's too). Not the 0.1.0
 #: files: Keras 3.5 and 3.8 cannot read that `.keras` file's Dense config
 #: (written by Keras 3.15), and its checkpoint test holds stored numbers
 #: bit-exact (TF 2.16 differs by 1 ulp in 1 of 30).
@@ -34,9 +34,12 @@ MATRIX_TESTS = [
     "tests/accumulation_test.py",
     "tests/optimizer_hostile_test.py",
     "tests/agn_test.py",
+    "tests/agn_outer_test.py",
+    "tests/diloco_test.py",
     "tests/internals_test.py",
     "tests/saved_across_versions_test.py",
     "tests/distribute_multi_worker_test.py",
+    "tests/distribute_diloco_test.py",
 ]
 
 #: session name -> (TensorFlow and Keras requirements, installed first).

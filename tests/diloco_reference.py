@@ -73,7 +73,9 @@ class AdamW:
 def bfloat16_round(x):
     """`x` rounded to bfloat16 (nearest, ties to even), via float32."""
     bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    # NumPy constants: NumPy 1.x casts uint64 with a Python int to float64.
+    one, half = np.uint64(1), np.uint64(0x7FFF)
+    bits = (bits + half + ((bits >> np.uint64(16)) & one)) & np.uint64(0xFFFF0000)
     return bits.astype(np.uint32).view(np.float32).astype(np.asarray(x).dtype)
 
 
