@@ -362,7 +362,11 @@ class ParameterServerTrainer:
         Returns:
             dict with `commits`, `local_steps`, `target_commits`,
             `restored_commits`, `losses` (mean loss of each report interval),
-            `seconds` and `commits_per_second` (of this run).
+            `seconds` and `commits_per_second` (of this run),
+            `worker_local_steps`, `bytes_per_commit`, and `worker_bytes_sent`
+            / `worker_bytes_received` (each worker's commits and pulls since
+            its (re)start, `bytes_per_commit` each; None for a worker that is
+            down).
 
         Raises:
             ParameterServerFailure: a parameter server became unavailable.
@@ -395,9 +399,17 @@ class ParameterServerTrainer:
             steps = int(self.optimizer.local_steps.numpy())
         seconds = time.perf_counter() - start
         per_worker = self.worker_local_steps()
+        payload = self.bytes_per_commit()
+        # Each round pulls the center (payload bytes in) and commits once
+        # (payload bytes out), per worker since its (re)start.
+        worker_bytes = [
+            None if steps_done is None else steps_done // period * payload
+            for steps_done in per_worker
+        ]
         self._log(
             f"[agn] done: {commits} commits, {steps} local steps; local steps per "
-            f"worker since its (re)start: {per_worker}"
+            f"worker since its (re)start: {per_worker}; bytes sent (and received) "
+            f"per worker: {worker_bytes}, {payload} per commit"
         )
         history.update(
             worker_local_steps=per_worker,
@@ -405,8 +417,19 @@ class ParameterServerTrainer:
             local_steps=steps,
             seconds=seconds,
             commits_per_second=(commits - start_commits) / max(seconds, 1e-9),
+            bytes_per_commit=payload,
+            worker_bytes_sent=worker_bytes,
+            worker_bytes_received=worker_bytes,
         )
         return history
+
+    def bytes_per_commit(self):
+        """Bytes one commit sends to the parameter servers, and one pull
+        receives: one tensor per trainable variable, in its dtype."""
+        return sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+            for v in self.ps_agn.center_variables
+        )
 
     def _target_commits(self, steps_per_worker, rounds):
         period = self.optimizer.communication_period
