@@ -326,8 +326,8 @@ def test_tf_config_without_multi_worker_is_refused(
     code, _, err = run_cli("train", "--set", f"output_dir={output}")
     assert (
         "TF_CONFIG is set (this process is a task of a cluster), so "
-        "`distribute.strategy` must be multi_worker (or unset TF_CONFIG). "
-        "Received: distribute.strategy='none'"
+        "`distribute.strategy` must be multi_worker or diloco (or unset "
+        "TF_CONFIG). Received: distribute.strategy='none'"
     ) in one_line_error(code, err, "train")
     assert not output.exists()
 
@@ -438,3 +438,66 @@ def test_two_workers_through_the_launcher_equal_one_process(single_run, tmp_path
     model = keras.models.load_model(run_dir / "model.keras")
     assert isinstance(model.optimizer, tf_lars.LARS)
     assert int(model.optimizer.iterations.numpy()) == 3 * STEPS
+
+
+# --------------------------------------------------------------- diloco
+@pytest.mark.slow
+def test_two_workers_train_with_diloco_through_the_launcher(tmp_path):
+    # distribute.strategy=diloco: each worker its own copy on its half of the
+    # 898 training digits (449 each: 14 steps of 32 per epoch), 3 epochs,
+    # an outer step every 7 inner steps: 6 outer steps.
+    output = tmp_path / "runs"
+    logs = tmp_path / "logs"
+    config = _tiny_config(tmp_path / "tiny.yaml", distribute={"strategy": "diloco"})
+    process = subprocess.run(
+        [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync",
+         "--workers", "2", "--log-dir", str(logs), "--",
+         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
+         "--set", f"training.batch_size={PER_REPLICA}",
+         "--set", "distribute.diloco.sync_every=7",
+         "--set", f"output_dir={output}", "--set", "run_name=diloco"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stdout + process.stderr
+    chief_log = (logs / "worker-0.log").read_text()
+    other_log = (logs / "worker-1.log").read_text()
+    run_dir = output / "diloco"
+    assert "Strategy: diloco, 2 workers" in chief_log
+    assert "worker 1: done; final test accuracy" in other_log
+    assert os.listdir(output) == ["diloco"]
+    # The CNN of width 8: 2,002 float32 weights, 8,008 bytes per exchange.
+    payload = 4 * ((9 * 8 + 8) + (9 * 8 * 8 + 8) + (9 * 8 * 16 + 16) + (16 * 10 + 10))
+    summary = _summary(run_dir)
+    assert (summary["strategy"], summary["workers"]) == ("diloco", 2)
+    assert summary["steps_per_epoch"] == 14 and summary["global_batch_size"] == 32
+    assert summary["communication"] == {
+        "outer_steps": 6, "bytes_sent": 6 * payload, "bytes_received": 6 * payload
+    }  # fmt: skip
+    assert (
+        f"Communicated (this worker): 6 outer steps, {6 * payload:,} bytes sent"
+        in chief_log
+    )
+    # The saved model is theta after the last outer step (step 42 = 6 x 7),
+    # which both workers hold, and the optimizer is the DiLoCo around LARS.
+    model = keras.models.load_model(run_dir / "model.keras")
+    optimizer = model.optimizer
+    assert isinstance(optimizer, tf_lars.DiLoCo)
+    assert isinstance(optimizer.inner_optimizer, tf_lars.LARS)
+    assert int(optimizer.iterations.numpy()) == 3 * 14
+    assert int(optimizer.outer_optimizer.iterations.numpy()) == 6
+    for weight, theta in zip(
+        model.trainable_variables, optimizer.global_variables, strict=True
+    ):
+        np.testing.assert_array_equal(weight.numpy(), theta.numpy())
+    # The final evaluation is theta's.
+    from tf_lars.cli.data import load_data
+
+    data = load_data(
+        {"path": None, "test_fraction": 0.5, "split_seed": 0, "num_classes": None}
+    )
+    _, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
+    assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)

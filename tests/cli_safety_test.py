@@ -30,11 +30,14 @@ CHEAP = {
     "sweep": ["--set", "training.epochs=1", "--set", "schedule.warmup_epochs=0",
               "--set", "sweep.batch_sizes=[full]", "--set", "sweep.grid_factors=[1.0]",
               "--set", "sweep.workers=1", "--set", "model.width=2"],
+    "lowcomm": ["--set", "training.steps=2", "--set", "training.batch_size=4",
+                "--set", "workers=[2]", "--set", "sync_every=[1]",
+                "--set", "model.width=2"],
 }  # fmt: skip
 
 
 # ------------------------------------------------------------ run folders
-@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
 def test_an_existing_named_run_folder_is_refused(
     command, tmp_path, one_line_error, run_cli
 ):
@@ -279,7 +282,7 @@ def test_data_that_is_not_an_npz_gets_no_pickle_advice(
         assert "allow_pickle" not in line
 
 
-@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
 def test_an_output_dir_that_cannot_hold_a_run_folder(
     command, tmp_path, one_line_error, run_cli
 ):
@@ -298,7 +301,7 @@ def test_an_output_dir_that_cannot_hold_a_run_folder(
         )
 
 
-@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
 def test_a_read_only_output_dir(
     command, tmp_path, monkeypatch, one_line_error, run_cli
 ):

@@ -593,7 +593,7 @@ def test_config_error_is_a_value_error():
 
 
 # -------------------------------------------------------- shipped configs
-@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
 def test_the_located_defaults_are_the_repository_configs(command):
     # In a source checkout the defaults are configs/*.yaml themselves.
     top_level = REPO / "configs" / f"{command}.yaml"
@@ -625,7 +625,7 @@ def test_installed_package_reads_its_package_data(tmp_path):
         import sys
         sys.argv = ["tf-lars"]  # lazy tf_lars: no TensorFlow needed here
         from tf_lars.cli.config import default_config_path, load_config
-        for command in ("train", "sweep"):
+        for command in ("train", "sweep", "lowcomm"):
             print(default_config_path(command))
             load_config(command)
         print("tensorflow" in sys.modules)
@@ -643,6 +643,7 @@ def test_installed_package_reads_its_package_data(tmp_path):
     assert process.stdout.split() == [
         str(data / "train.yaml"),
         str(data / "sweep.yaml"),
+        str(data / "lowcomm.yaml"),
         "False",
     ]
 
@@ -656,7 +657,7 @@ def test_pyproject_installs_configs_as_package_data():
     assert not (REPO / "tf_lars" / "configs").exists()  # one source only
 
 
-@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
 def test_every_config_key_has_a_comment(command):
     text = (REPO / "configs" / f"{command}.yaml").read_text()
     undocumented = []

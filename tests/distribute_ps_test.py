@@ -86,9 +86,10 @@ def test_exact_commit_count_k_workers_n_steps_period_p(result):
     assert count["history"]["worker_bytes_sent"] == [
         steps // 3 * 8 for steps in count["worker_local_steps"]
     ]
-    assert count["history"]["worker_bytes_received"] == count["history"][
-        "worker_bytes_sent"
-    ]
+    assert (
+        count["history"]["worker_bytes_received"]
+        == count["history"]["worker_bytes_sent"]
+    )
     assert sum(count["history"]["worker_bytes_sent"]) == 20 * 8
     # SGD(0.01) on gradient -1: each commit moves the center by exactly 0.01.
     np.testing.assert_allclose(count["center"], [0.2, 0.7], atol=1e-5)

@@ -430,11 +430,19 @@ class Monitor(_Block):
     tensorboard: _bool()
 
 
+class DiLoCoBlock(_Block):
+    sync_every: _int(1)
+    compression: _choice("none", "bfloat16", "int8", "int4")
+    outer_optimizer: _OPTIMIZER
+
+
 class Distribute(_Block):
     # none = one device; mirrored = every local GPU (or `logical_cpus` CPU
-    # devices); multi_worker = MultiWorkerMirroredStrategy from TF_CONFIG.
-    strategy: _choice("none", "mirrored", "multi_worker")
+    # devices); multi_worker = MultiWorkerMirroredStrategy from TF_CONFIG;
+    # diloco = the same cluster, synchronous DiLoCo (the `diloco` block).
+    strategy: _choice("none", "mirrored", "multi_worker", "diloco")
     logical_cpus: _int(2, null=True)
+    diloco: _block(DiLoCoBlock)
 
 
 class TrainConfig(_Common):

@@ -90,11 +90,11 @@ def check_distribute(distribute_config, environ=None):
             f"distribute.strategy={strategy!r}"
         )
     environ = os.environ if environ is None else environ
-    if strategy != "multi_worker" and environ.get("TF_CONFIG"):
+    if strategy not in ("multi_worker", "diloco") and environ.get("TF_CONFIG"):
         raise ConfigError(
             "TF_CONFIG is set (this process is a task of a cluster), so "
-            "`distribute.strategy` must be multi_worker (or unset TF_CONFIG). "
-            f"Received: distribute.strategy={strategy!r}"
+            "`distribute.strategy` must be multi_worker or diloco (or unset "
+            f"TF_CONFIG). Received: distribute.strategy={strategy!r}"
         )
 
 
@@ -433,7 +433,7 @@ def preflight(command, config, overwrite=False):
         config, data
     )
     multi_worker = command == "train" and (
-        config["distribute"]["strategy"] == "multi_worker"
+        config["distribute"]["strategy"] in ("multi_worker", "diloco")
     )
     folder = None if multi_worker else claim_run_dir(config, command, overwrite)
     return data, folder

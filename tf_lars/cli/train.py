@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tf_lars
 from tf_lars.callbacks import TrustRatioMonitor
 from tf_lars.cli.config import (
     ConfigError,
@@ -106,13 +107,18 @@ def describe_batches(per_replica, global_batch, replicas, num_train):
 
 # ------------------------------------------------------------ distribution
 Distribution = collections.namedtuple(
-    "Distribution", ["strategy", "name", "replicas", "workers", "chief", "task"]
+    "Distribution",
+    ["strategy", "name", "replicas", "workers", "chief", "task", "exchange", "rank"],
+    defaults=(None, 0),
 )
 Distribution.__doc__ = """The strategy of a run and this process's place in it.
 
-`strategy` is None for `none`; `workers` counts processes (1 unless
-`multi_worker`); `chief` says whether this process writes the run folder;
-`task` is this process's task (e.g. "worker 1") in a cluster, else None.
+`strategy` is None for `none` and `diloco` (whose model is each worker's
+own); `workers` counts processes (1 unless `multi_worker` or `diloco`);
+`chief` says whether this process writes the run folder; `task` is this
+process's task (e.g. "worker 1") in a cluster, else None; `exchange` is
+`diloco`'s `MultiWorkerMirroredStrategy` (it carries the outer exchange
+only) and `rank` this worker's place in it (its shard).
 """
 
 
@@ -178,7 +184,20 @@ def make_distribution(distribute_config):
 
     tf_config = distribute.parse_tf_config(mode="sync")
     strategy = distribute.multi_worker_strategy(tf_config)
-    workers = len(tf_config.cluster.get("chief", [])) + tf_config.num_workers
+    chiefs = len(tf_config.cluster.get("chief", []))
+    workers = chiefs + tf_config.num_workers
+    if name == "diloco":
+        rank = 0 if tf_config.task_type == "chief" else chiefs + tf_config.task_index
+        return Distribution(
+            None,
+            name,
+            1,
+            workers,
+            distribute.is_chief(tf_config),
+            f"{tf_config.task_type} {tf_config.task_index}",
+            exchange=strategy,
+            rank=rank,
+        )
     return Distribution(
         strategy,
         name,
@@ -627,6 +646,11 @@ def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
 def _describe_distribution(distribution):
     if distribution.name == "mirrored":
         return f"Strategy: mirrored over {distribution.replicas} replica(s)"
+    if distribution.name == "diloco":
+        return (
+            f"Strategy: diloco, {distribution.workers} workers, each training its "
+            "own copy on its own shard"
+        )
     return (
         f"Strategy: multi_worker, {distribution.workers} workers, "
         f"{distribution.replicas} replicas"
@@ -662,8 +686,11 @@ class _HistoryWriter(keras.callbacks.History):
 
 
 def _unwrapped(optimizer):
-    """The configured optimizer: inside the `loss_scale` block's wrapper, if
-    any (LAMB's own inner Adam is part of LAMB, never unwrapped)."""
+    """The configured optimizer: inside `diloco`'s and the `loss_scale`
+    block's wrappers, if any (LAMB's own inner Adam is part of LAMB, never
+    unwrapped)."""
+    if isinstance(optimizer, tf_lars.DiLoCo):
+        optimizer = optimizer.inner_optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
@@ -742,6 +769,9 @@ def run(config, data=None, folder=None, overwrite=False):
     if data is None:
         data, folder = preflight("train", config, overwrite)
     distribution = make_distribution(config["distribute"])
+    if distribution.exchange is not None:  # diloco: this worker's shard
+        rows = slice(distribution.rank, None, distribution.workers)
+        data = data._replace(x_train=data.x_train[rows], y_train=data.y_train[rows])
     num_train, replicas = len(data.x_train), distribution.replicas
     sizes = global_batch_size(config["training"]["batch_size"], num_train, replicas)
     if distribution.strategy is not None:
@@ -760,6 +790,8 @@ def run(config, data=None, folder=None, overwrite=False):
         loss_scale_config=config["loss_scale"],
         strategy=distribution.strategy,
     )
+    if distribution.exchange is not None:
+        trial["optimizer"] = _diloco(config["distribute"]["diloco"], trial["optimizer"])
     if not distribution.chief:
         # Keras needs no file to train, and TensorBoard is the chief's.
         print(
@@ -802,7 +834,7 @@ def _open_run_folder(folder, config, data, distribution, sizes, optimizer):
         f"Data: {num_train} training / {len(data.x_test)} test examples, "
         f"{data.num_classes} classes ({data.source})"
     )
-    if distribution.strategy is not None:
+    if distribution.name != "none":
         print(_describe_distribution(distribution))
     print(describe_batches(*sizes, distribution.replicas, num_train))
     print(f"Run folder: {folder}", flush=True)
@@ -818,6 +850,11 @@ def _train(config, data, distribution, trial, folder):
     training = config["training"]
     monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
     writer = None if folder is None else _HistoryWriter(folder)
+    sync = None
+    if distribution.exchange is not None:
+        from tf_lars.distribute import DiLoCoSync
+
+        sync = DiLoCoSync(distribution.exchange)
     try:
         result = fit_once(
             data,
@@ -825,7 +862,8 @@ def _train(config, data, distribution, trial, folder):
             batch_size=trial["batch_size"],
             epochs=training["epochs"],
             jit_compile=training["jit_compile"],
-            callbacks=[c for c in (monitor, writer) if c is not None],
+            callbacks=[c for c in (monitor, writer, sync) if c is not None]
+            + ([_TakeTheta()] if sync else []),
             verbose=0 if folder is None else training["verbose"],
             validation=True,
             strategy=distribution.strategy,
@@ -833,7 +871,37 @@ def _train(config, data, distribution, trial, folder):
     except KeyboardInterrupt as interrupt:
         done = len(writer.history.get("loss", [])) if writer else 0
         raise _interrupted(folder, done, training["epochs"], interrupt) from None
+    if sync is not None:
+        result["communication"] = sync.traffic.as_dict()
     return result, monitor
+
+
+def _diloco(block, inner):
+    """`tf_lars.DiLoCo` around the configured optimizer, from `distribute.diloco`."""
+    from tf_lars.cli.config import optimizer_from_block
+
+    outer = optimizer_from_block(
+        block["outer_optimizer"], key="distribute.diloco.outer_optimizer"
+    )
+    compression = None if block["compression"] == "none" else block["compression"]
+    try:
+        return tf_lars.DiLoCo(
+            inner, outer, sync_every=block["sync_every"], compression=compression
+        )
+    except ValueError as error:
+        raise ConfigError(f"distribute.diloco: {error}") from None
+
+
+class _TakeTheta(keras.callbacks.Callback):
+    """At the end of `fit`, the model takes DiLoCo's global parameters (the
+    same on every worker): the run's result, evaluated and saved."""
+
+    def on_train_end(self, logs=None):
+        optimizer = self.model.optimizer
+        for variable, theta in zip(
+            self.model.trainable_variables, optimizer.global_variables, strict=True
+        ):
+            variable.assign(theta)
 
 
 def _print_result(folder, result, files):
@@ -845,11 +913,20 @@ def _print_result(folder, result, files):
         )
     print(f"Final train accuracy: {100 * result['train_accuracy']:.2f}%")
     print(f"Final test accuracy:  {100 * result['test_accuracy']:.2f}%")
+    if "communication" in result:
+        sent = result["communication"]
+        print(
+            f"Communicated (this worker): {sent['outer_steps']} outer steps, "
+            f"{sent['bytes_sent']:,} bytes sent, {sent['bytes_received']:,} received"
+        )
     print(f"Wrote {folder}/: {', '.join(files)}")
 
 
 def _trust_ratio_monitor(config, optimizer, folder):
-    """A `TrustRatioMonitor` for optimizers that expose trust ratios, else None."""
+    """A `TrustRatioMonitor` for optimizers that expose trust ratios, else None
+    (and None under `diloco`, whose ratios are each worker's own)."""
+    if isinstance(optimizer, tf_lars.DiLoCo):
+        return None
     if "trust_coefficient" not in constructor_parameters(type(_unwrapped(optimizer))):
         return None
     tensorboard = config["monitor"]["tensorboard"] and folder is not None
@@ -896,6 +973,11 @@ def _summary(data, distribution, sizes, result, learning_rates):
         "inner_optimizer": type(_unwrapped(optimizer)).__name__,
         "train_seconds": result["seconds"],
         "data": data.source,
+        **(
+            {"communication": result["communication"]}
+            if "communication" in result
+            else {}
+        ),
     }
 
 
