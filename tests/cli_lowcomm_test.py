@@ -191,3 +191,34 @@ def test_bad_configs_are_one_line_and_status_2(
     code, _, err = run_cli("lowcomm", "--set", f"output_dir={tmp_path}", *overrides)
     assert message in one_line_error(code, err, command="lowcomm")
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_keeps_the_finished_runs(tmp_path, run_cli, monkeypatch):
+    # The third run is interrupted as a Ctrl-C would: the two before it are
+    # in results.json and table.md, with a note; exit status 130.
+    from tf_lars.cli import lowcomm
+
+    real, calls = lowcomm.run_one, []
+
+    def interrupted_third(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt()
+        return real(*args)
+
+    monkeypatch.setattr(lowcomm, "run_one", interrupted_third)
+    code, _, err = run_cli(
+        "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc", *TINY
+    )
+    assert code == 130
+    folder = tmp_path / "lc"
+    assert "keeps config.yaml, results.json and table.md of the 2 of 7 runs" in err
+    record = json.loads((folder / "results.json").read_text())
+    assert [r["method"] for r in record["runs"]] == ["dp", "agn"]
+    assert (record["interrupted"], record["runs_planned"]) == (True, 7)
+    assert (folder / "table.md").read_text().count("\n") == 4
+    assert (folder / "INTERRUPTED").read_text() == (
+        "Interrupted (Ctrl-C) after 2 of 7 runs. results.json and table.md hold "
+        "the finished ones; lowcomm.png was not drawn.\n"
+    )
+    assert not (folder / "lowcomm.png").exists()

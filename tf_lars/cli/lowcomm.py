@@ -275,6 +275,36 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def _write_results(folder, data, rows, wall=None, **extra):
+    """results.json and table.md of the finished runs; the table."""
+    from tf_lars.cli import preflight
+
+    table = format_table(rows)
+    record = {"source": data.source, "wall_seconds": wall, "runs": rows, **extra}
+    preflight.write_text(folder, "results.json", json.dumps(record, indent=1))
+    preflight.write_text(folder, "table.md", table + "\n")
+    return table
+
+
+def _interrupted(folder, data, rows, planned, interrupt):
+    """Writes the finished runs and a note; the exception `main` reports."""
+    from tf_lars.cli import preflight
+
+    _write_results(folder, data, rows, interrupted=True, runs_planned=planned)
+    preflight.write_text(
+        folder,
+        preflight.INTERRUPTED_NOTE,
+        f"Interrupted ({preflight.interruption_name(interrupt)}) after "
+        f"{len(rows)} of {planned} runs. results.json and table.md hold the "
+        "finished ones; lowcomm.png was not drawn.\n",
+    )
+    return preflight.Interrupted(
+        f"the run folder {folder} keeps config.yaml, results.json and table.md of "
+        f"the {len(rows)} of {planned} runs that finished, and "
+        f"{preflight.INTERRUPTED_NOTE}"
+    )
+
+
 def run(config, data, folder, overwrite=False, out=print):
     """`tf-lars lowcomm`: every run of `plan(config)`, the table and the plot.
 
@@ -294,8 +324,11 @@ def run(config, data, folder, overwrite=False, out=print):
     runs, rows = plan(config), []
     started = time.perf_counter()
     for number, (method, workers, sync_every) in enumerate(runs, start=1):
-        with deferred():
-            row, _ = run_one(method, data, workers, sync_every, settings)
+        try:
+            with deferred():
+                row, _ = run_one(method, data, workers, sync_every, settings)
+        except KeyboardInterrupt as interrupt:
+            raise _interrupted(folder, data, rows, len(runs), interrupt) from None
         rows.append(row)
         out(
             f"[{number}/{len(runs)}] {row['label']}, M={workers}, "
@@ -305,10 +338,7 @@ def run(config, data, folder, overwrite=False, out=print):
             flush=True,
         )
     wall = time.perf_counter() - started
-    table = format_table(rows)
-    record = {"source": data.source, "wall_seconds": wall, "runs": rows}
-    preflight.write_text(folder, "results.json", json.dumps(record, indent=1))
-    preflight.write_text(folder, "table.md", table + "\n")
+    table = _write_results(folder, data, rows, wall)
     plot_communication(rows, os.path.join(folder, "lowcomm.png"))
     out(
         f"\nTest accuracy after {settings['steps']} inner steps per worker, "

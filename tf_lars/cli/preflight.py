@@ -32,7 +32,9 @@ RUN_FILES = {
     "sweep": (
         "config.yaml", "results.json", "table.md", "sweep.png", "INTERRUPTED",
     ),
-    "lowcomm": ("config.yaml", "results.json", "table.md", "lowcomm.png"),
+    "lowcomm": (
+        "config.yaml", "results.json", "table.md", "lowcomm.png", "INTERRUPTED",
+    ),
 }  # fmt: skip
 INTERRUPTED_NOTE = "INTERRUPTED"
 
