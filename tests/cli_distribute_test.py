@@ -126,7 +126,18 @@ def test_no_strategy_records_one_replica(single_run, capsys):
     assert summary["examples_dropped_per_epoch"] == 2
     assert sorted(os.listdir(single_run)) == RUN_FILES
     config = yaml.safe_load((single_run / "config.yaml").read_text())
-    assert config["distribute"] == {"strategy": "none", "logical_cpus": None}
+    assert config["distribute"] == {
+        "strategy": "none",
+        "logical_cpus": None,
+        "diloco": {
+            "sync_every": 50,
+            "compression": "none",
+            "outer_optimizer": {
+                "class_name": "SGD",
+                "config": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True},
+            },
+        },
+    }
 
 
 def test_fit_takes_the_epoch_orders_of_make_dataset():
@@ -234,7 +245,8 @@ def test_evaluation_needs_an_example_per_replica():
 # ------------------------------------------------------ config errors
 BAD_DISTRIBUTE = [
     (["--set", "distribute.strategy=ring"],
-     "`distribute.strategy` must be one of ['none', 'mirrored', 'multi_worker']. "
+     "`distribute.strategy` must be one of ['none', 'mirrored', 'multi_worker', "
+     "'diloco']. "
      "Received: distribute.strategy='ring'"),
     (["--set", "distribute.strategy=mirrored", "--set", "distribute.logical_cpus=1"],
      "`distribute.logical_cpus` must be an int >= 2 or null. "
@@ -250,7 +262,7 @@ BAD_DISTRIBUTE = [
     (["--set", "distribute={strategy: multi_worker, logical_cpus: 2}"],
      "Received: distribute.logical_cpus=2 with distribute.strategy='multi_worker'"),
     (["--set", "distribute.workers=2"], "Unknown config key `distribute.workers`. "
-     "Valid keys in `distribute`: strategy, logical_cpus"),
+     "Valid keys in `distribute`: strategy, logical_cpus, diloco"),
     (["--set", "distribute=mirrored"],
      "`distribute` must be a mapping. Received: distribute='mirrored'"),
 ]  # fmt: skip

@@ -442,7 +442,10 @@ class Distribute(_Block):
     # diloco = the same cluster, synchronous DiLoCo (the `diloco` block).
     strategy: _choice("none", "mirrored", "multi_worker", "diloco")
     logical_cpus: _int(2, null=True)
-    diloco: _block(DiLoCoBlock)
+    # Optional (the one key that is): a `distribute` block written before
+    # `diloco` existed, or set whole with --set, stays valid; train.py takes
+    # the default block's values then.
+    diloco: _block(DiLoCoBlock) = None
 
 
 class TrainConfig(_Common):

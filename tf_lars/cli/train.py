@@ -31,6 +31,7 @@ from tf_lars.cli.config import (
     ConfigError,
     build_optimizer,
     constructor_parameters,
+    default_config,
     dump_config,
     optimizer_spec,
 )
@@ -791,7 +792,10 @@ def run(config, data=None, folder=None, overwrite=False):
         strategy=distribution.strategy,
     )
     if distribution.exchange is not None:
-        trial["optimizer"] = _diloco(config["distribute"]["diloco"], trial["optimizer"])
+        block = config["distribute"].get("diloco")
+        if block is None:  # a `distribute` block from before `diloco`
+            block = default_config("train")["distribute"]["diloco"]
+        trial["optimizer"] = _diloco(block, trial["optimizer"])
     if not distribution.chief:
         # Keras needs no file to train, and TensorBoard is the chief's.
         print(
