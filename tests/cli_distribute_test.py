@@ -409,6 +409,26 @@ def test_mirrored_on_two_logical_cpus_equals_one_process(single_run, tmp_path):
 
 
 # -------------------------------------------------------- multi_worker
+def _train_on_two_workers(tmp_path, config, output, logs, *extra):
+    """The documented command, `python -m tf_lars.distribute.launch --mode sync
+    --workers 2 -- -m tf_lars.cli train --config CONFIG ...`, run to its end;
+    returns the two workers' logs `(chief, other)`."""
+    process = subprocess.run(
+        [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync",
+         "--workers", "2", "--log-dir", str(logs), "--",
+         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
+         "--set", f"training.batch_size={PER_REPLICA}",
+         "--set", f"output_dir={output}", *extra],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stdout + process.stderr
+    return tuple((logs / f"worker-{i}.log").read_text() for i in range(2))
+
+
 @pytest.mark.slow
 def test_two_workers_through_the_launcher_equal_one_process(single_run, tmp_path):
     # The documented command: python -m tf_lars.distribute.launch --mode sync
@@ -418,21 +438,9 @@ def test_two_workers_through_the_launcher_equal_one_process(single_run, tmp_path
     config = _tiny_config(
         tmp_path / "tiny.yaml", distribute={"strategy": "multi_worker"}
     )
-    process = subprocess.run(
-        [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync",
-         "--workers", "2", "--log-dir", str(logs), "--",
-         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
-         "--set", f"training.batch_size={PER_REPLICA}",
-         "--set", f"output_dir={output}", "--set", "run_name=two_workers"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=TIMEOUT,
-    )  # fmt: skip
-    assert process.returncode == 0, process.stdout + process.stderr
-    chief_log = (logs / "worker-0.log").read_text()
-    other_log = (logs / "worker-1.log").read_text()
+    chief_log, other_log = _train_on_two_workers(
+        tmp_path, config, output, logs, "--set", "run_name=two_workers"
+    )
     run_dir = output / "two_workers"
     # Worker 0 wrote the run folder and printed the progress; worker 1 wrote
     # nothing (the temporary folders of the test hold only these).
@@ -461,22 +469,10 @@ def test_two_workers_train_with_diloco_through_the_launcher(tmp_path):
     output = tmp_path / "runs"
     logs = tmp_path / "logs"
     config = _tiny_config(tmp_path / "tiny.yaml", distribute={"strategy": "diloco"})
-    process = subprocess.run(
-        [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync",
-         "--workers", "2", "--log-dir", str(logs), "--",
-         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
-         "--set", f"training.batch_size={PER_REPLICA}",
-         "--set", "distribute.diloco.sync_every=7",
-         "--set", f"output_dir={output}", "--set", "run_name=diloco"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=TIMEOUT,
+    chief_log, other_log = _train_on_two_workers(
+        tmp_path, config, output, logs,
+        "--set", "distribute.diloco.sync_every=7", "--set", "run_name=diloco",
     )  # fmt: skip
-    assert process.returncode == 0, process.stdout + process.stderr
-    chief_log = (logs / "worker-0.log").read_text()
-    other_log = (logs / "worker-1.log").read_text()
     run_dir = output / "diloco"
     assert "Strategy: diloco, 2 workers" in chief_log
     assert "worker 1: done; final test accuracy" in other_log
