@@ -246,7 +246,7 @@ def test_evaluation_needs_an_example_per_replica():
 BAD_DISTRIBUTE = [
     (["--set", "distribute.strategy=ring"],
      "`distribute.strategy` must be one of ['none', 'mirrored', 'multi_worker', "
-     "'diloco']. "
+     "'diloco', 'parameter_server']. "
      "Received: distribute.strategy='ring'"),
     (["--set", "distribute.strategy=mirrored", "--set", "distribute.logical_cpus=1"],
      "`distribute.logical_cpus` must be an int >= 2 or null. "
@@ -262,7 +262,22 @@ BAD_DISTRIBUTE = [
     (["--set", "distribute={strategy: multi_worker, logical_cpus: 2}"],
      "Received: distribute.logical_cpus=2 with distribute.strategy='multi_worker'"),
     (["--set", "distribute.workers=2"], "Unknown config key `distribute.workers`. "
-     "Valid keys in `distribute`: strategy, logical_cpus, diloco"),
+     "Valid keys in `distribute`: strategy, logical_cpus, diloco, agn"),
+    (["--set", "distribute.agn.communication_period=0"],
+     "`distribute.agn.communication_period` must be an int >= 1. "
+     "Received: distribute.agn.communication_period=0"),
+    (["--set", "distribute.agn.outer_optimizer=SGD"],
+     "`distribute.agn.outer_optimizer` must be null or a mapping with `class_name` "
+     "and `config`. Received: distribute.agn.outer_optimizer='SGD'"),
+    (["--set", "distribute.strategy=parameter_server",
+      "--set", "training.precision=mixed_bfloat16"],
+     "`training.precision` must be float32 on parameter servers. Received: "
+     "training.precision='mixed_bfloat16' with distribute.strategy='parameter_server'"),
+    (["--set", "distribute.strategy=parameter_server",
+      "--set", "loss_scale.enabled=true"],
+     "`loss_scale.enabled` must be false on parameter servers (AGN's rounds train in "
+     "float32). Received: loss_scale.enabled=True with "
+     "distribute.strategy='parameter_server'"),
     (["--set", "distribute=mirrored"],
      "`distribute` must be a mapping. Received: distribute='mirrored'"),
 ]  # fmt: skip
@@ -338,8 +353,8 @@ def test_tf_config_without_multi_worker_is_refused(
     code, _, err = run_cli("train", "--set", f"output_dir={output}")
     assert (
         "TF_CONFIG is set (this process is a task of a cluster), so "
-        "`distribute.strategy` must be multi_worker or diloco (or unset "
-        "TF_CONFIG). Received: distribute.strategy='none'"
+        "`distribute.strategy` must be multi_worker, diloco or parameter_server "
+        "(or unset TF_CONFIG). Received: distribute.strategy='none'"
     ) in one_line_error(code, err, "train")
     assert not output.exists()
 
@@ -509,3 +524,100 @@ def test_two_workers_train_with_diloco_through_the_launcher(tmp_path):
     )
     _, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
     assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+# ----------------------------------------------------- parameter_server
+@pytest.mark.slow
+def test_agn_with_an_outer_optimizer_on_parameter_servers_through_the_launcher(
+    tmp_path,
+):
+    # distribute.strategy=parameter_server on the launcher's ps mode: a chief,
+    # 2 workers, 1 parameter server. Each worker's epoch is 14 local steps of
+    # 32 (a global batch of 64), a commit every 7: 2 x 14 / 7 = 4 commits per
+    # epoch, 12 in 3 epochs. The outer SGD at 1e-9 applies every commit's
+    # pseudo-gradient to the center, which so stays at its initial weights
+    # (AGN's own commit, a LARS step at rate 0.5, would move it).
+    output, logs = tmp_path / "runs", tmp_path / "logs"
+    config = _tiny_config(
+        tmp_path / "tiny.yaml", distribute={"strategy": "parameter_server"}
+    )
+    process = subprocess.run(
+        [sys.executable, "-m", "tf_lars.distribute.launch", "--workers", "2",
+         "--ps", "1", "--log-dir", str(logs), "--",
+         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
+         "--set", f"training.batch_size={PER_REPLICA}",
+         "--set", f"output_dir={output}", "--set", "run_name=agn",
+         "--set", "distribute.agn.communication_period=7",
+         "--set", "distribute.agn.outer_optimizer={class_name: SGD, config: "
+                  "{learning_rate: 1.0e-9}}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stdout + process.stderr
+    chief_log = (logs / "chief-0.log").read_text()
+    assert "Strategy: parameter_server, 2 workers" in chief_log
+    assert "Epoch 3/3: 12 commits," in chief_log
+    run_dir = output / "agn"
+    assert os.listdir(output) == ["agn"]
+    assert sorted(os.listdir(run_dir)) == [
+        "config.yaml", "curves.png", "history.json", "learning_rate.png",
+        "model.keras", "summary.json",
+    ]  # fmt: skip
+    payload = 4 * ((9 * 8 + 8) + (9 * 8 * 8 + 8) + (9 * 8 * 16 + 16) + (16 * 10 + 10))
+    summary = _summary(run_dir)
+    assert (summary["strategy"], summary["workers"]) == ("parameter_server", 2)
+    assert (summary["optimizer"], summary["inner_optimizer"]) == ("AGN", "LARS")
+    assert summary["outer_optimizer"]["class_name"] == "SGD"
+    assert summary["outer_optimizer"]["config"]["learning_rate"] == np.float32(1e-9)
+    assert summary["steps_per_epoch"] == STEPS and summary["global_batch_size"] == 64
+    communication = summary["communication"]
+    assert communication["commits"] == 12
+    assert communication["bytes_per_commit"] == payload
+    assert communication["bytes_sent"] == 12 * payload
+    assert communication["bytes_received"] == 12 * payload
+    # Each worker's commits (and pulls) since its start: 12 in all.
+    assert sum(communication["worker_bytes_sent"]) == 12 * payload
+    assert (
+        f"Communicated: 12 commits of {payload:,} bytes, {12 * payload:,} bytes sent"
+        in chief_log
+    )
+    with open(run_dir / "history.json") as handle:
+        history = json.load(handle)
+    assert history["epoch"] == [1, 2, 3]
+    # The saved model is the center: the seeded initial weights (moved by
+    # at most 1e-9 x the pseudo-gradients), and its test accuracy the summary's.
+    from tf_lars.cli.data import load_data
+    from tf_lars.cli.train import build_model
+
+    model = keras.models.load_model(run_dir / "model.keras")
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    data = load_data(resolved["data"])
+    keras.utils.set_random_seed(resolved["seed"])
+    initial = build_model(resolved["model"], data.x_train.shape[1:], data.num_classes)
+    for weight, start in zip(model.get_weights(), initial.get_weights(), strict=True):
+        np.testing.assert_allclose(weight, start, rtol=0, atol=1e-6)
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    loss, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
+    assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert summary["test_loss"] == pytest.approx(loss, rel=1e-5)
+    assert history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-6)
+
+
+def test_a_period_longer_than_an_epoch_is_refused():
+    # Checked on the chief once the cluster gives the workers (the launcher
+    # then exits with the chief's status 2 and its line).
+    from tf_lars.cli.train import _agn
+
+    block = {"communication_period": 15, "outer_optimizer": None}
+    with pytest.raises(ConfigError) as caught:
+        _agn(block, {"steps_per_epoch": 14}, distribution=None)
+    assert str(caught.value) == (
+        "`distribute.agn.communication_period` must be at most each worker's steps "
+        "per epoch (14). Received: distribute.agn.communication_period=15"
+    )

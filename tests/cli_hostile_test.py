@@ -607,9 +607,9 @@ def test_labels_beyond_the_class_bound(tmp_path):
     [
         ("TrustRatio", "TrustRatio wraps an optimizer that a config cannot give; use "
          "LAMB (the trust ratio around Adam) or LARS (around SGD with momentum)"),
-        ("AGN", "AGN trains on parameter servers (tf_lars.distribute, see "
-         "docs/guides/parameter-servers.md), not in one `tf-lars` training; name its "
-         "inner optimizer here instead"),
+        ("AGN", "AGN trains on parameter servers: name its inner optimizer here and "
+         "set distribute.strategy=parameter_server (the distribute.agn block; "
+         "docs/guides/parameter-servers.md)"),
     ],
 )  # fmt: skip
 def test_a_wrapper_optimizer_is_refused(

@@ -357,6 +357,9 @@ class OptimizerBlock(_Block):
 
 
 _OPTIMIZER = _block(OptimizerBlock, "must be a mapping with `class_name` and `config`")
+_OPTIMIZER_OR_NULL = _block(
+    OptimizerBlock | None, "must be null or a mapping with `class_name` and `config`"
+)
 
 # Seeds go to NumPy (`np.random.seed`, scikit-learn's `random_state`), which
 # takes 32 bits; the classes to a Dense layer of that many units.
@@ -436,16 +439,23 @@ class DiLoCoBlock(_Block):
     outer_optimizer: _OPTIMIZER
 
 
+class AGNBlock(_Block):
+    communication_period: _int(1)
+    outer_optimizer: _OPTIMIZER_OR_NULL
+
+
 class Distribute(_Block):
     # none = one device; mirrored = every local GPU (or `logical_cpus` CPU
     # devices); multi_worker = MultiWorkerMirroredStrategy from TF_CONFIG;
-    # diloco = the same cluster, synchronous DiLoCo (the `diloco` block).
-    strategy: _choice("none", "mirrored", "multi_worker", "diloco")
+    # diloco = the same cluster, synchronous DiLoCo (the `diloco` block);
+    # parameter_server = AGN on ParameterServerStrategy (the `agn` block).
+    strategy: _choice("none", "mirrored", "multi_worker", "diloco", "parameter_server")
     logical_cpus: _int(2, null=True)
-    # Optional (the one key that is): a `distribute` block written before
-    # `diloco` existed, or set whole with --set, stays valid; train.py takes
-    # the default block's values then.
+    # Optional (the two keys that are): a `distribute` block written before
+    # they existed, or set whole with --set, stays valid; train.py takes the
+    # default block's values then.
     diloco: _block(DiLoCoBlock) = None
+    agn: _block(AGNBlock) = None
 
 
 class TrainConfig(_Common):
@@ -726,9 +736,9 @@ def _optimizer_class(block, key):
         )
         if issubclass(cls, tf_lars.AGN):
             advice = (
-                "AGN trains on parameter servers (tf_lars.distribute, see "
-                "docs/guides/parameter-servers.md), not in one `tf-lars` training; "
-                "name its inner optimizer here instead"
+                "AGN trains on parameter servers: name its inner optimizer here "
+                "and set distribute.strategy=parameter_server (the distribute.agn "
+                "block; docs/guides/parameter-servers.md)"
             )
         raise ConfigError(f"`{key}` names an optimizer wrapper: {advice}. {shown}", key)
     raise ConfigError(

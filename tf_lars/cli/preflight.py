@@ -75,6 +75,11 @@ def check_warmup(schedule_config, steps_per_epoch, epochs):
     return warmup_steps
 
 
+#: The `distribute.strategy` values whose tasks read `TF_CONFIG`; their run
+#: folder is claimed by the chief once TensorFlow reads the cluster.
+CLUSTER_STRATEGIES = ("multi_worker", "diloco", "parameter_server")
+
+
 def check_distribute(distribute_config, environ=None):
     """Refuses `distribute` settings that do not go together.
 
@@ -92,11 +97,32 @@ def check_distribute(distribute_config, environ=None):
             f"distribute.strategy={strategy!r}"
         )
     environ = os.environ if environ is None else environ
-    if strategy not in ("multi_worker", "diloco") and environ.get("TF_CONFIG"):
+    if strategy not in CLUSTER_STRATEGIES and environ.get("TF_CONFIG"):
         raise ConfigError(
             "TF_CONFIG is set (this process is a task of a cluster), so "
-            "`distribute.strategy` must be multi_worker or diloco (or unset "
-            f"TF_CONFIG). Received: distribute.strategy={strategy!r}"
+            "`distribute.strategy` must be multi_worker, diloco or parameter_server "
+            f"(or unset TF_CONFIG). Received: distribute.strategy={strategy!r}"
+        )
+
+
+def check_parameter_server(config):
+    """Refuses what AGN on parameter servers does not run: a mixed-precision
+    policy or the loss-scale wrapper (the rounds train in float32)."""
+    if config["distribute"]["strategy"] != "parameter_server":
+        return
+    shown = "with distribute.strategy='parameter_server'"
+    precision = config["training"]["precision"]
+    if precision != "float32":
+        raise ConfigError(
+            "`training.precision` must be float32 on parameter servers. Received: "
+            f"training.precision={precision!r} {shown}",
+            key="training.precision",
+        )
+    if config["loss_scale"]["enabled"]:
+        raise ConfigError(
+            "`loss_scale.enabled` must be false on parameter servers (AGN's rounds "
+            f"train in float32). Received: loss_scale.enabled=True {shown}",
+            key="loss_scale.enabled",
         )
 
 
@@ -362,6 +388,7 @@ def write_text(folder, name, text):
 
 def check_train(config, data):
     check_distribute(config["distribute"])
+    check_parameter_server(config)
     check_model_input(config["model"], data.x_train.shape[1:])
     if config["distribute"]["strategy"] != "none":
         return  # the replicas (and so the global batch) come from TensorFlow
@@ -435,7 +462,7 @@ def preflight(command, config, overwrite=False):
         config, data
     )
     multi_worker = command == "train" and (
-        config["distribute"]["strategy"] in ("multi_worker", "diloco")
+        config["distribute"]["strategy"] in CLUSTER_STRATEGIES
     )
     folder = None if multi_worker else claim_run_dir(config, command, overwrite)
     return data, folder

@@ -109,8 +109,18 @@ def describe_batches(per_replica, global_batch, replicas, num_train):
 # ------------------------------------------------------------ distribution
 Distribution = collections.namedtuple(
     "Distribution",
-    ["strategy", "name", "replicas", "workers", "chief", "task", "exchange", "rank"],
-    defaults=(None, 0),
+    [
+        "strategy",
+        "name",
+        "replicas",
+        "workers",
+        "chief",
+        "task",
+        "exchange",
+        "rank",
+        "coordinator",
+    ],
+    defaults=(None, 0, None),
 )
 Distribution.__doc__ = """The strategy of a run and this process's place in it.
 
@@ -119,7 +129,9 @@ own); `workers` counts processes (1 unless `multi_worker` or `diloco`);
 `chief` says whether this process writes the run folder; `task` is this
 process's task (e.g. "worker 1") in a cluster, else None; `exchange` is
 `diloco`'s `MultiWorkerMirroredStrategy` (it carries the outer exchange
-only) and `rank` this worker's place in it (its shard).
+only) and `rank` this worker's place in it (its shard); `coordinator` is
+`parameter_server`'s `ClusterCoordinator` (on the chief, the one process
+that trains there: `replicas` and `workers` count the cluster's workers).
 """
 
 
@@ -158,6 +170,9 @@ def make_distribution(distribute_config):
     - multi_worker: `tf_lars.distribute.multi_worker_strategy()`, which
       validates `TF_CONFIG` before any server starts and waits for every
       worker; the chief is `tf_lars.distribute.is_chief`'s.
+    - diloco: the same cluster; the strategy carries the outer exchange.
+    - parameter_server: `ParameterServerStrategy` on the chief; a worker or
+      parameter-server task serves here until it is stopped (never returns).
 
     Args:
         distribute_config: the `distribute` block.
@@ -183,6 +198,15 @@ def make_distribution(distribute_config):
         )
     from tf_lars import distribute
 
+    if name == "parameter_server":
+        tf_config = distribute.parse_tf_config(mode="ps")
+        if tf_config.task_type != "chief":
+            distribute.serve(tf_config)  # until the launcher stops the task
+        strategy, coordinator = distribute.connect(tf_config)
+        workers = tf_config.num_workers
+        return Distribution(
+            strategy, name, workers, workers, True, "chief 0", coordinator=coordinator
+        )
     tf_config = distribute.parse_tf_config(mode="sync")
     strategy = distribute.multi_worker_strategy(tf_config)
     chiefs = len(tf_config.cluster.get("chief", []))
@@ -652,6 +676,11 @@ def _describe_distribution(distribution):
             f"Strategy: diloco, {distribution.workers} workers, each training its "
             "own copy on its own shard"
         )
+    if distribution.name == "parameter_server":
+        return (
+            f"Strategy: parameter_server, {distribution.workers} workers running "
+            "AGN rounds against the parameter servers"
+        )
     return (
         f"Strategy: multi_worker, {distribution.workers} workers, "
         f"{distribution.replicas} replicas"
@@ -690,7 +719,7 @@ def _unwrapped(optimizer):
     """The configured optimizer: inside `diloco`'s and the `loss_scale`
     block's wrappers, if any (LAMB's own inner Adam is part of LAMB, never
     unwrapped)."""
-    if isinstance(optimizer, tf_lars.DiLoCo):
+    if isinstance(optimizer, (tf_lars.DiLoCo, tf_lars.AGN)):
         optimizer = optimizer.inner_optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
@@ -775,7 +804,7 @@ def run(config, data=None, folder=None, overwrite=False):
         data = data._replace(x_train=data.x_train[rows], y_train=data.y_train[rows])
     num_train, replicas = len(data.x_train), distribution.replicas
     sizes = global_batch_size(config["training"]["batch_size"], num_train, replicas)
-    if distribution.strategy is not None:
+    if distribution.strategy is not None and distribution.coordinator is None:
         evaluation_batch_size(len(data.x_test), replicas, "test set")
     spec = optimizer_spec(config["optimizer"])
     trial = build_trial(
@@ -796,6 +825,11 @@ def run(config, data=None, folder=None, overwrite=False):
         if block is None:  # a `distribute` block from before `diloco`
             block = default_config("train")["distribute"]["diloco"]
         trial["optimizer"] = _diloco(block, trial["optimizer"])
+    if distribution.coordinator is not None:
+        block = config["distribute"].get("agn")
+        if block is None:  # a `distribute` block from before `agn`
+            block = default_config("train")["distribute"]["agn"]
+        trial["optimizer"] = _agn(block, trial, distribution)
     if not distribution.chief:
         # Keras needs no file to train, and TensorBoard is the chief's.
         print(
@@ -851,6 +885,8 @@ def _train(config, data, distribution, trial, folder):
     `history.json` at every epoch end; a worker other than the chief
     (`folder` None) trains in lockstep, silently.
     """
+    if distribution.coordinator is not None:
+        return _train_parameter_server(config, data, distribution, trial, folder), None
     training = config["training"]
     monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
     writer = None if folder is None else _HistoryWriter(folder)
@@ -896,6 +932,122 @@ def _diloco(block, inner):
         raise ConfigError(f"distribute.diloco: {error}") from None
 
 
+def _agn(block, trial, distribution):
+    """`tf_lars.AGN` around the configured optimizer, from `distribute.agn`,
+    built in the strategy's scope (its center state on the parameter servers)."""
+    from tf_lars.cli.config import optimizer_from_block
+
+    steps = trial["steps_per_epoch"]
+    period = block["communication_period"]
+    if period > steps:
+        raise ConfigError(
+            "`distribute.agn.communication_period` must be at most each worker's "
+            f"steps per epoch ({steps}). Received: "
+            f"distribute.agn.communication_period={period}",
+            key="distribute.agn.communication_period",
+        )
+    with distribution.strategy.scope():
+        outer = block["outer_optimizer"]
+        if outer is not None:
+            outer = optimizer_from_block(outer, key="distribute.agn.outer_optimizer")
+        try:
+            return tf_lars.AGN(
+                trial["optimizer"], communication_period=period, outer_optimizer=outer
+            )
+        except ValueError as error:
+            raise ConfigError(f"distribute.agn: {error}") from None
+
+
+def _train_parameter_server(config, data, distribution, trial, folder):
+    """AGN rounds on the workers, an epoch at a time; `fit_once`'s result.
+
+    An epoch is each worker's `steps_per_epoch` local steps on average (the
+    workers run asynchronously): the chief schedules rounds until the
+    center has `workers * steps_per_epoch * epochs_done / period` commits
+    (rounded), then evaluates the center on the training and test sets:
+    the epoch's `loss`/`accuracy` and `val_loss`/`val_accuracy`.
+    """
+    from tf_lars.distribute import ParameterServerTrainer
+
+    training, model, optimizer = config["training"], trial["model"], trial["optimizer"]
+    x, y, batch = data.x_train, data.y_train, training["batch_size"]
+
+    def dataset_fn(input_context):
+        del input_context  # each worker reads every example, in its own order
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x))
+        return dataset.batch(batch, drop_remainder=True)
+
+    verbose = 0 if folder is None else training["verbose"]
+    with deferred():
+        trainer = ParameterServerTrainer(
+            model,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer,
+            dataset_fn,
+            distribution.strategy,
+            coordinator=distribution.coordinator,
+            jit_compile=training["jit_compile"] is not False,
+            log=print if verbose == 2 else (lambda line: None),
+        )
+    epochs, history, diverged_epoch = training["epochs"], {}, None
+    per_epoch = distribution.workers * trial["steps_per_epoch"]
+    per_epoch /= optimizer.communication_period
+    started = time.perf_counter()
+    try:
+        for epoch in range(epochs):
+            with deferred():
+                fitted = trainer.fit(rounds=max(1, round(per_epoch * (epoch + 1))))
+                train = trainer.evaluate(x, y)
+                test = trainer.evaluate(data.x_test, data.y_test)
+            for key, value in (
+                ("loss", train["loss"]),
+                ("accuracy", train["accuracy"]),
+                ("val_loss", test["loss"]),
+                ("val_accuracy", test["accuracy"]),
+            ):
+                history.setdefault(key, []).append(value)
+            if folder is not None:
+                write_text(folder, "history.json", _history_json(history))
+            if verbose:
+                print(
+                    f"Epoch {epoch + 1}/{epochs}: {fitted['commits']} commits, loss "
+                    f"{train['loss']:.4f}, accuracy {train['accuracy']:.4f}, "
+                    f"val_loss {test['loss']:.4f}, val_accuracy "
+                    f"{test['accuracy']:.4f}",
+                    flush=True,
+                )
+            if not math.isfinite(train["loss"]):
+                diverged_epoch = epoch
+                break
+    except KeyboardInterrupt as interrupt:
+        done = len(history.get("loss", []))
+        raise _interrupted(folder, done, epochs, interrupt) from None
+    payload, commits = fitted["bytes_per_commit"], fitted["commits"]
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "history": history,
+        "learning_rate": trial["learning_rate"],
+        "steps_per_epoch": trial["steps_per_epoch"],
+        "diverged": diverged_epoch is not None,
+        "diverged_epoch": diverged_epoch,
+        "train_loss": train["loss"],
+        "train_accuracy": train["accuracy"],
+        "test_loss": test["loss"],
+        "test_accuracy": test["accuracy"],
+        "seconds": time.perf_counter() - started,
+        # Each commit pushes the payload once and its round pulled it once.
+        "communication": {
+            "commits": commits,
+            "bytes_per_commit": payload,
+            "bytes_sent": commits * payload,
+            "bytes_received": commits * payload,
+            "worker_bytes_sent": fitted["worker_bytes_sent"],
+            "worker_bytes_received": fitted["worker_bytes_received"],
+        },
+    }
+
+
 class _TakeTheta(keras.callbacks.Callback):
     """At the end of `fit`, the model takes DiLoCo's global parameters (the
     same on every worker): the run's result, evaluated and saved."""
@@ -917,8 +1069,14 @@ def _print_result(folder, result, files):
         )
     print(f"Final train accuracy: {100 * result['train_accuracy']:.2f}%")
     print(f"Final test accuracy:  {100 * result['test_accuracy']:.2f}%")
-    if "communication" in result:
-        sent = result["communication"]
+    sent = result.get("communication")
+    if sent is not None and "commits" in sent:
+        print(
+            f"Communicated: {sent['commits']} commits of {sent['bytes_per_commit']:,} "
+            f"bytes, {sent['bytes_sent']:,} bytes sent to the parameter servers and "
+            f"{sent['bytes_received']:,} received from them (all workers)"
+        )
+    elif sent is not None:
         print(
             f"Communicated (this worker): {sent['outer_steps']} outer steps, "
             f"{sent['bytes_sent']:,} bytes sent, {sent['bytes_received']:,} received"
@@ -928,8 +1086,9 @@ def _print_result(folder, result, files):
 
 def _trust_ratio_monitor(config, optimizer, folder):
     """A `TrustRatioMonitor` for optimizers that expose trust ratios, else None
-    (and None under `diloco`, whose ratios are each worker's own)."""
-    if isinstance(optimizer, tf_lars.DiLoCo):
+    (and None under `diloco` and `parameter_server`, whose ratios are each
+    worker's own)."""
+    if isinstance(optimizer, (tf_lars.DiLoCo, tf_lars.AGN)):
         return None
     if "trust_coefficient" not in constructor_parameters(type(_unwrapped(optimizer))):
         return None
@@ -954,6 +1113,7 @@ def _learning_rates(result):
 def _summary(data, distribution, sizes, result, learning_rates):
     """summary.json's record of a finished run."""
     optimizer, learning_rate = result["optimizer"], result["learning_rate"]
+    outer = getattr(optimizer, "outer_optimizer", None)  # DiLoCo's, AGN's
     if not isinstance(learning_rate, float):
         learning_rate = keras.saving.serialize_keras_object(learning_rate)
     return {
@@ -975,6 +1135,9 @@ def _summary(data, distribution, sizes, result, learning_rates):
         "learning_rate_schedule": learning_rate,
         "optimizer": type(optimizer).__name__,
         "inner_optimizer": type(_unwrapped(optimizer)).__name__,
+        "outer_optimizer": (
+            None if outer is None else keras.optimizers.serialize(outer)
+        ),
         "train_seconds": result["seconds"],
         "data": data.source,
         **(
