@@ -137,6 +137,7 @@ def test_no_strategy_records_one_replica(single_run, capsys):
                 "config": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True},
             },
         },
+        "agn": {"communication_period": 10, "outer_optimizer": None},
     }
 
 
