@@ -341,6 +341,32 @@ def test_multi_worker_bad_tf_config_is_one_line(
     assert not output.exists()
 
 
+PS_TF_CONFIG_ERRORS = [
+    (None, "TF_CONFIG is not set. Set it to the cluster description"),
+    (json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                 "task": {"type": "worker", "index": 0}}),
+     "The cluster has no 'chief' task; parameter-server training needs one "
+     "'chief', at least one 'worker' and at least one 'ps'."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tf_config, expected", PS_TF_CONFIG_ERRORS)
+def test_parameter_server_bad_tf_config_is_one_line(
+    tf_config, expected, tmp_path, monkeypatch, one_line_error, run_cli
+):
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    output = tmp_path / "out"
+    code, out, err = run_cli(
+        "train", "--set", "distribute.strategy=parameter_server",
+        "--set", f"output_dir={output}",
+    )  # fmt: skip
+    assert expected in one_line_error(code, err, "train")
+    assert not output.exists()
+
+
 def test_tf_config_without_multi_worker_is_refused(
     tmp_path, monkeypatch, one_line_error, run_cli
 ):
