@@ -323,24 +323,6 @@ TF_CONFIG_ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("tf_config, expected", TF_CONFIG_ERRORS)
-def test_multi_worker_bad_tf_config_is_one_line(
-    tf_config, expected, tmp_path, monkeypatch, one_line_error, run_cli
-):
-    if tf_config is None:
-        monkeypatch.delenv("TF_CONFIG", raising=False)
-    else:
-        monkeypatch.setenv("TF_CONFIG", tf_config)
-    output = tmp_path / "out"
-    code, out, err = run_cli(
-        "train", "--set", "distribute.strategy=multi_worker",
-        "--set", f"output_dir={output}",
-    )  # fmt: skip
-    assert expected in one_line_error(code, err, "train")
-    assert out == ""
-    assert not output.exists()
-
-
 PS_TF_CONFIG_ERRORS = [
     (None, "TF_CONFIG is not set. Set it to the cluster description"),
     (json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
@@ -350,9 +332,13 @@ PS_TF_CONFIG_ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("tf_config, expected", PS_TF_CONFIG_ERRORS)
-def test_parameter_server_bad_tf_config_is_one_line(
-    tf_config, expected, tmp_path, monkeypatch, one_line_error, run_cli
+@pytest.mark.parametrize(
+    "strategy, tf_config, expected",
+    [("multi_worker", *case) for case in TF_CONFIG_ERRORS]
+    + [("parameter_server", *case) for case in PS_TF_CONFIG_ERRORS],
+)
+def test_bad_tf_config_is_one_line(
+    strategy, tf_config, expected, tmp_path, monkeypatch, one_line_error, run_cli
 ):
     if tf_config is None:
         monkeypatch.delenv("TF_CONFIG", raising=False)
@@ -360,10 +346,11 @@ def test_parameter_server_bad_tf_config_is_one_line(
         monkeypatch.setenv("TF_CONFIG", tf_config)
     output = tmp_path / "out"
     code, out, err = run_cli(
-        "train", "--set", "distribute.strategy=parameter_server",
+        "train", "--set", f"distribute.strategy={strategy}",
         "--set", f"output_dir={output}",
     )  # fmt: skip
     assert expected in one_line_error(code, err, "train")
+    assert out == ""
     assert not output.exists()
 
 
@@ -390,6 +377,20 @@ def _env():
     env = launcher_env()
     env.pop("TF_CONFIG", None)
     return env
+
+
+def _run_ok(tmp_path, *argv):
+    """`python ARGV` in `tmp_path`, which must exit with 0; the process."""
+    process = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=TIMEOUT,
+    )
+    assert process.returncode == 0, process.stdout + process.stderr
+    return process
 
 
 def test_multi_worker_bad_tf_config_in_a_real_process(tmp_path):
@@ -424,17 +425,11 @@ def test_mirrored_on_two_logical_cpus_equals_one_process(single_run, tmp_path):
         tmp_path / "tiny.yaml",
         distribute={"strategy": "mirrored", "logical_cpus": 2},
     )
-    process = subprocess.run(
-        [sys.executable, "-m", "tf_lars.cli", "train", "--config", config,
-         *TINY_SET, "--set", f"training.batch_size={PER_REPLICA}",
-         "--set", f"output_dir={tmp_path / 'runs'}", "--set", "run_name=mirrored"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=TIMEOUT,
+    process = _run_ok(
+        tmp_path, "-m", "tf_lars.cli", "train", "--config", config,
+        *TINY_SET, "--set", f"training.batch_size={PER_REPLICA}",
+        "--set", f"output_dir={tmp_path / 'runs'}", "--set", "run_name=mirrored",
     )  # fmt: skip
-    assert process.returncode == 0, process.stdout + process.stderr
     lines = process.stdout.splitlines()
     assert "Strategy: mirrored over 2 replica(s)" in lines
     assert describe_batches(PER_REPLICA, GLOBAL_BATCH, 2, NUM_TRAIN) in lines
@@ -455,19 +450,13 @@ def _train_on_two_workers(tmp_path, config, output, logs, *extra):
     """The documented command, `python -m tf_lars.distribute.launch --mode sync
     --workers 2 -- -m tf_lars.cli train --config CONFIG ...`, run to its end;
     returns the two workers' logs `(chief, other)`."""
-    process = subprocess.run(
-        [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync",
-         "--workers", "2", "--log-dir", str(logs), "--",
-         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
-         "--set", f"training.batch_size={PER_REPLICA}",
-         "--set", f"output_dir={output}", *extra],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=TIMEOUT,
+    _run_ok(
+        tmp_path, "-m", "tf_lars.distribute.launch", "--mode", "sync",
+        "--workers", "2", "--log-dir", str(logs), "--",
+        "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
+        "--set", f"training.batch_size={PER_REPLICA}",
+        "--set", f"output_dir={output}", *extra,
     )  # fmt: skip
-    assert process.returncode == 0, process.stdout + process.stderr
     return tuple((logs / f"worker-{i}.log").read_text() for i in range(2))
 
 
@@ -568,22 +557,16 @@ def test_agn_with_an_outer_optimizer_on_parameter_servers_through_the_launcher(
     config = _tiny_config(
         tmp_path / "tiny.yaml", distribute={"strategy": "parameter_server"}
     )
-    process = subprocess.run(
-        [sys.executable, "-m", "tf_lars.distribute.launch", "--workers", "2",
-         "--ps", "1", "--log-dir", str(logs), "--",
-         "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
-         "--set", f"training.batch_size={PER_REPLICA}",
-         "--set", f"output_dir={output}", "--set", "run_name=agn",
-         "--set", "distribute.agn.communication_period=7",
-         "--set", "distribute.agn.outer_optimizer={class_name: SGD, config: "
-                  "{learning_rate: 1.0e-9}}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=TIMEOUT,
+    _run_ok(
+        tmp_path, "-m", "tf_lars.distribute.launch", "--workers", "2",
+        "--ps", "1", "--log-dir", str(logs), "--",
+        "-m", "tf_lars.cli", "train", "--config", config, *TINY_SET,
+        "--set", f"training.batch_size={PER_REPLICA}",
+        "--set", f"output_dir={output}", "--set", "run_name=agn",
+        "--set", "distribute.agn.communication_period=7",
+        "--set", "distribute.agn.outer_optimizer={class_name: SGD, config: "
+                 "{learning_rate: 1.0e-9}}",
     )  # fmt: skip
-    assert process.returncode == 0, process.stdout + process.stderr
     chief_log = (logs / "chief-0.log").read_text()
     assert "Strategy: parameter_server, 2 workers" in chief_log
     assert "Epoch 3/3: 12 commits," in chief_log
