@@ -85,8 +85,9 @@ def check_distribute(distribute_config, environ=None):
 
     Raises:
         ConfigError: `logical_cpus` without the mirrored strategy, or a
-            `TF_CONFIG` (a cluster task) without the multi_worker strategy,
-            where every task would train alone and write the same run folder.
+            `TF_CONFIG` (a cluster task) without a cluster strategy
+            (`CLUSTER_STRATEGIES`), where every task would train alone and
+            write the same run folder.
     """
     strategy = distribute_config["strategy"]
     logical_cpus = distribute_config["logical_cpus"]

@@ -11,7 +11,9 @@ resolved once for the global batch (`learning_rate_for`), `build_trial`,
 creates the strategy, `training.batch_size` is per replica, and the global
 batch (per-replica batch x replicas) is what the dataset is batched at, what
 sets the steps per epoch and what the learning rate is linearly scaled by.
-Only the chief writes the run folder.
+Only the chief writes the run folder. On parameter servers the chief trains
+alone (`_train_parameter_server`: AGN rounds on the workers, an epoch at a
+time) and the other tasks serve.
 """
 
 import collections
