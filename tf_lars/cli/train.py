@@ -718,9 +718,9 @@ class _HistoryWriter(keras.callbacks.History):
 
 
 def _unwrapped(optimizer):
-    """The configured optimizer: inside `diloco`'s and the `loss_scale`
-    block's wrappers, if any (LAMB's own inner Adam is part of LAMB, never
-    unwrapped)."""
+    """The configured optimizer: inside `diloco`'s, `parameter_server`'s and
+    the `loss_scale` block's wrappers, if any (LAMB's own inner Adam is part
+    of LAMB, never unwrapped)."""
     if isinstance(optimizer, (tf_lars.DiLoCo, tf_lars.AGN)):
         optimizer = optimizer.inner_optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -823,15 +823,10 @@ def run(config, data=None, folder=None, overwrite=False):
         strategy=distribution.strategy,
     )
     if distribution.exchange is not None:
-        block = config["distribute"].get("diloco")
-        if block is None:  # a `distribute` block from before `diloco`
-            block = default_config("train")["distribute"]["diloco"]
+        block = _strategy_block(config, "diloco")
         trial["optimizer"] = _diloco(block, trial["optimizer"])
     if distribution.coordinator is not None:
-        block = config["distribute"].get("agn")
-        if block is None:  # a `distribute` block from before `agn`
-            block = default_config("train")["distribute"]["agn"]
-        trial["optimizer"] = _agn(block, trial, distribution)
+        trial["optimizer"] = _agn(_strategy_block(config, "agn"), trial, distribution)
     if not distribution.chief:
         # Keras needs no file to train, and TensorBoard is the chief's.
         print(
@@ -916,6 +911,13 @@ def _train(config, data, distribution, trial, folder):
     if sync is not None:
         result["communication"] = sync.traffic.as_dict()
     return result, monitor
+
+
+def _strategy_block(config, name):
+    """`distribute.<name>`, or the default config's where a `distribute`
+    block written before that key existed leaves it out."""
+    block = config["distribute"].get(name)
+    return default_config("train")["distribute"][name] if block is None else block
 
 
 def _diloco(block, inner):
