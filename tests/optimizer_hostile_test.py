@@ -298,3 +298,37 @@ def test_loading_a_saved_model_needs_import_tf_lars(tmp_path):
         ), outputs["no-import"]
     if keras.version() == "3.15.1":  # measured; the docs quote it
         assert outputs["no-import"].startswith("FAILED")
+
+
+# ------------------------------------------------- apply(grads) unbuilt
+WRAPPERS = {
+    # Gradients of `scale_loss(loss)`: a scale of 1 keeps the numbers plain.
+    "loss_scale": lambda: tf_lars.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=1.0
+    ),
+    "diloco": lambda: tf_lars.DiLoCo(keras.optimizers.SGD(0.1), sync_every=2),
+    "agn": lambda: tf_lars.AGN(keras.optimizers.SGD(0.1), communication_period=2),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "diloco",
+        "loss_scale",
+        pytest.param(
+            "agn",
+            marks=pytest.mark.skipif(not ON_TENSORFLOW, reason="AGN needs TensorFlow"),
+        ),
+    ],
+)
+def test_grads_alone_need_a_built_optimizer_then_step_its_variables(name):
+    optimizer = WRAPPERS[name]()
+    grads = [_tensor([1.0, 2.0])]
+    with pytest.raises(ValueError, match=r"must already be built\. Call "):
+        optimizer.apply(grads)
+    assert not optimizer.built
+    variable = keras.Variable(np.zeros(2, "float32"))
+    optimizer.build([variable])
+    optimizer.apply(grads)  # the variables it was built with
+    np.testing.assert_allclose(ops.convert_to_numpy(variable), [-0.1, -0.2])

@@ -28,6 +28,17 @@ def on_tensorflow():
     return keras.backend.backend() == "tensorflow"
 
 
+def require_built(optimizer):
+    """`apply(grads)` without variables: refused until `optimizer` is built
+    (the same rule and message as Keras's own `apply`)."""
+    if not optimizer.built:
+        raise ValueError(
+            "When passing `grads` without `trainable_variables`, the "
+            "optimizer must already be built. Call "
+            "`optimizer.build(trainable_variables)` first."
+        )
+
+
 def is_indexed_slices(value):
     """Whether `value` is a `tf.IndexedSlices`, without importing TensorFlow.
 

@@ -27,6 +27,7 @@ from tf_lars._wrapper import (
     InnerOptimizerWrapper,
     all_finite,
     gradient_as_tensor,
+    require_built,
 )
 from tf_lars.schedules import check_step_count
 
@@ -529,12 +530,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         if not grads:
             return
         if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When passing `grads` without `trainable_variables`, the "
-                    "optimizer must already be built. Call "
-                    "`optimizer.build(trainable_variables)` first."
-                )
+            require_built(self)
             trainable_variables = self._roles.model
         else:
             trainable_variables = list(trainable_variables)

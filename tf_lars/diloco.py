@@ -27,7 +27,7 @@ from tf_lars._validation import (
     check_outer_optimizer,
     is_int,
 )
-from tf_lars._wrapper import BASE_ARGUMENT_DEFAULTS
+from tf_lars._wrapper import BASE_ARGUMENT_DEFAULTS, require_built
 
 __all__ = [
     "DiLoCo",
@@ -370,12 +370,7 @@ class DiLoCo(keras.optimizers.Optimizer):
                 `None`: those the optimizer was built with.
         """
         if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When passing `grads` without `trainable_variables`, the "
-                    "optimizer must already be built. Call "
-                    "`optimizer.build(trainable_variables)` first."
-                )
+            require_built(self)
             variables = list(_internals.trainable_variables_of(self))
         else:
             variables = list(trainable_variables)

@@ -16,6 +16,7 @@ from tf_lars._wrapper import (
     gradient_as_tensor,
     is_indexed_slices,
     on_tensorflow,
+    require_built,
 )
 
 # TensorFlow is imported inside the methods of the TensorFlow path only, so
@@ -324,12 +325,8 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
                 with keras.name_scope(self.name, caller=self):
                     self.build(trainable_variables)
                 self.built = True
-        elif not self.built:
-            raise ValueError(
-                "When passing `grads` without `trainable_variables`, the "
-                "optimizer must already be built. Call "
-                "`optimizer.build(trainable_variables)` first."
-            )
+        else:
+            require_built(self)
         _check_float_gradients(
             grads, trainable_variables or _internals.trainable_variables_of(self)
         )
