@@ -7,7 +7,6 @@ simulation; H = 1 with outer SGD(1.0) is data-parallel SGD; the bytes are
 counted exactly. Bad arguments: tests/diloco_test.py and below."""
 
 import os
-import signal
 
 import keras
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests import distribute_diloco_script as script
-from tests.distribute_launch_helpers import start_launcher
+from tests.distribute_launch_helpers import run_sync_jobs, worker_logs
 from tf_lars.diloco import simulate_sync
 from tf_lars.distribute.diloco import DiLoCoBackup, DiLoCoSync, synchronize
 
@@ -24,53 +23,18 @@ TIMEOUT = 300
 PARAMETERS = 5 * 6 + 6 + 6 * 2 + 2  # the model's trainable entries
 
 
-def _launch(root, *program_args):
-    out, backup = os.path.join(root, "out"), os.path.join(root, "backup")
-    os.makedirs(out)
-    process = start_launcher(
-        os.path.join(root, "logs"),
-        ["--mode", "sync", "--workers", "2", "--restart-job", "1"],
-        [SCRIPT, out, backup, *program_args],
-    )
-    return process, out, root
-
-
-def _logs(root, tail=3000):
-    text = []
-    for index in range(2):
-        path = os.path.join(root, "logs", f"worker-{index}.log")
-        if os.path.exists(path):
-            with open(path) as handle:
-                log = handle.read()
-            text.append(f"--- worker {index}\n" + (log[-tail:] if tail else log))
-    return "\n".join(text)
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    launched = {
-        name: _launch(str(tmp_path_factory.mktemp(name)), *arguments)
-        for name, arguments in (
-            ("uninterrupted", ("all",)),
-            ("interrupted", ("fit", "--kill", "2:1")),
-        )
-    }
-    outputs = {}
-    try:
-        for name, (process, _, _) in launched.items():
-            outputs[name] = process.communicate(timeout=TIMEOUT)[0]
-    finally:
-        for process, _, _ in launched.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
-    for name, (process, _, root) in launched.items():
-        assert process.returncode == 0, (
-            f"{name}: {outputs[name][-3000:]}\n{_logs(root)}"
-        )
-    return {
-        name: {"out": out, "root": root} for name, (_, out, root) in launched.items()
-    }
+    return run_sync_jobs(
+        {
+            name: (str(tmp_path_factory.mktemp(name)), SCRIPT, arguments)
+            for name, arguments in (
+                ("uninterrupted", ("all",)),
+                ("interrupted", ("fit", "--kill", "2:1")),
+            )
+        },
+        TIMEOUT,
+    )
 
 
 def _load(job, name):
@@ -133,7 +97,7 @@ def test_fit_bytes_are_counted_per_outer_step(jobs):
 
 @pytest.mark.slow
 def test_killed_worker_restarted_job_ends_bit_for_bit_as_uninterrupted(jobs):
-    assert "[worker 1] SIGKILL" in _logs(jobs["interrupted"]["root"], tail=None)
+    assert "[worker 1] SIGKILL" in worker_logs(jobs["interrupted"]["root"], tail=None)
     for worker in range(2):
         alone = _load(jobs["uninterrupted"], f"fit-worker{worker}")
         resumed = _load(jobs["interrupted"], f"fit-worker{worker}")

@@ -181,6 +181,59 @@ def start_launcher(log_dir, launcher_args, program, stderr=subprocess.STDOUT):
     )
 
 
+def worker_logs(root, tail=3000):
+    """The two workers' logs of a job under `root` (the last `tail`
+    characters of each, or all with None), for assertion messages."""
+    text = []
+    for index in range(2):
+        path = os.path.join(root, "logs", f"worker-{index}.log")
+        if os.path.exists(path):
+            with open(path) as handle:
+                log = handle.read()
+            text.append(f"--- worker {index}\n" + (log[-tail:] if tail else log))
+    return "\n".join(text)
+
+
+def run_sync_jobs(jobs, timeout):
+    """Two-worker sync jobs of a test script, run side by side to their end.
+
+    Args:
+        jobs: name -> `(root, script, program_args)`: each job runs
+            `script ROOT/out ROOT/backup *program_args` through the launcher
+            (`--mode sync --workers 2 --restart-job 1`, logs in `ROOT/logs`),
+            all started before any is waited for.
+        timeout: seconds to wait for each job.
+
+    Returns:
+        name -> `{"root", "out", "backup", "output"}`. A job still running is
+        killed (with its tasks' group); a job that exits non-zero fails the
+        test with its last output and its workers' logs.
+    """
+    launched = {}
+    for name, (root, script, program_args) in jobs.items():
+        out, backup = os.path.join(root, "out"), os.path.join(root, "backup")
+        os.makedirs(out)
+        process = start_launcher(
+            os.path.join(root, "logs"),
+            ["--mode", "sync", "--workers", "2", "--restart-job", "1"],
+            [script, out, backup, *program_args],
+        )
+        launched[name] = (process, {"root": root, "out": out, "backup": backup})
+    try:
+        for process, job in launched.values():
+            job["output"] = process.communicate(timeout=timeout)[0]
+    finally:
+        for process, _ in launched.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+    for name, (process, job) in launched.items():
+        assert process.returncode == 0, (
+            f"{name}: {job['output'][-3000:]}\n{worker_logs(job['root'])}"
+        )
+    return {name: job for name, (_, job) in launched.items()}
+
+
 def run_launcher(log_dir, launcher_args, program, timeout):
     """Runs the launcher to its end; returns `(status, stdout, stderr)`.
 

@@ -8,7 +8,6 @@ repeating batches with `save_freq=<int>`.
 """
 
 import os
-import signal
 
 import keras
 import numpy as np
@@ -17,7 +16,7 @@ import tensorflow as tf
 
 import tf_lars
 from tests import distribute_preempt_script as script
-from tests.distribute_launch_helpers import start_launcher
+from tests.distribute_launch_helpers import run_sync_jobs, worker_logs
 from tf_lars.distribute.multi_worker import (
     BackupAndRestore,
     _as_bits,
@@ -28,28 +27,6 @@ from tf_lars.distribute.multi_worker import (
 SCRIPT = os.path.join("tests", "distribute_preempt_script.py")
 KILL = "2:1"  # worker 1, third epoch, after its second batch
 TIMEOUT = 300
-
-
-def _launch(root, *program_args):
-    """Starts the launcher; returns (process, out_dir, backup_dir)."""
-    out, backup = os.path.join(root, "out"), os.path.join(root, "backup")
-    os.makedirs(out)
-    process = start_launcher(
-        os.path.join(root, "logs"),
-        ["--mode", "sync", "--workers", "2", "--restart-job", "1"],
-        [SCRIPT, out, backup, *program_args],
-    )
-    return process, out, backup
-
-
-def _logs(root):
-    text = []
-    for index in range(2):
-        path = os.path.join(root, "logs", f"worker-{index}.log")
-        if os.path.exists(path):
-            with open(path) as handle:
-                text.append(f"--- worker {index}\n" + handle.read()[-3000:])
-    return "\n".join(text)
 
 
 @pytest.fixture(scope="module")
@@ -65,33 +42,21 @@ def batch_norm_jobs(tmp_path_factory):
 
 
 def _run_jobs(tmp_path_factory, *program_args):
-    roots = {
-        name: str(tmp_path_factory.mktemp(name))
-        for name in ("interrupted", "uninterrupted")
-    }
-    launched = {
-        "interrupted": _launch(roots["interrupted"], "--kill", KILL, *program_args),
-        "uninterrupted": _launch(roots["uninterrupted"], *program_args),
-    }
-    outputs = {}
-    try:
-        for name, (process, _, _) in launched.items():
-            outputs[name] = process.communicate(timeout=TIMEOUT)[0]
-    finally:
-        for process, _, _ in launched.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
-    for name, (process, _, _) in launched.items():
-        assert process.returncode == 0, (
-            f"{name}: {outputs[name][-3000:]}\n{_logs(roots[name])}"
-        )
-    return {
-        name: {"out": out, "backup": backup, "output": outputs[name], "root": root}
-        for (name, (_, out, backup)), root in zip(
-            launched.items(), roots.values(), strict=True
-        )
-    }
+    return run_sync_jobs(
+        {
+            "interrupted": (
+                str(tmp_path_factory.mktemp("interrupted")),
+                SCRIPT,
+                ("--kill", KILL, *program_args),
+            ),
+            "uninterrupted": (
+                str(tmp_path_factory.mktemp("uninterrupted")),
+                SCRIPT,
+                program_args,
+            ),
+        },
+        TIMEOUT,
+    )
 
 
 def _load(job, name):
@@ -129,7 +94,7 @@ def test_worker_killed_the_job_restarted_and_resumed_at_the_backup(jobs):
         assert int(_load(run, f"restart1-worker{worker}-begin")["restored_epoch"]) == 2
         end = _load(run, f"worker{worker}-end")
         assert (int(end["restart"]), int(end["restored_epoch"])) == (1, 2)
-    assert "[worker 1] SIGKILL" in _logs(os.path.dirname(run["out"]))
+    assert "[worker 1] SIGKILL" in worker_logs(run["root"])
     # The uninterrupted job ran once, from the start.
     end = _load(jobs["uninterrupted"], "worker0-end")
     assert (int(end["restart"]), int(end["restored_epoch"])) == (0, 0)
