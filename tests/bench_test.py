@@ -321,3 +321,30 @@ def test_profile_refuses_bad_counts(argv, message, capsys):
         compile_profile.main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_start_cost_measures_each_case_in_a_fresh_process(capsys):
+    start_cost = benchmark_scripts.load("start_cost")
+    assert start_cost.main(["--repeats", "3", "--cases", "python"]) == 0
+    captured = capsys.readouterr()
+    rows = captured.out.strip().splitlines()
+    assert rows[:2] == [
+        "| case | median CPU s | min | max | runs |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    cells = [cell.strip() for cell in rows[2].strip("|").split("|")]
+    assert cells[0] == "python" and cells[4] == "3" and len(rows) == 3
+    low, median, high = float(cells[2]), float(cells[1]), float(cells[3])
+    assert 0.0 <= low <= median <= high
+    assert captured.err.splitlines()[-1] == "[3/3] repeats done"
+
+
+def test_start_cost_names_the_failing_case(monkeypatch, capsys):
+    start_cost = benchmark_scripts.load("start_cost")
+    monkeypatch.setitem(start_cost.CASES, "python", "raise SystemExit('no')")
+    with pytest.raises(SystemExit) as exited:
+        start_cost.main(["--repeats", "1", "--cases", "python"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "start_cost.py: error: a case failed: no"
+    )
