@@ -54,6 +54,24 @@ SHAPES = ((4,), (3, 3))
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 
 
+def compiling_environment(**extra):
+    """`os.environ` plus `extra`, without TensorFlow's persistent XLA cache.
+
+    A compile-time benchmark has to compile: with the cache set (the test
+    suite sets one, docs/guides/development.md), a program compiled before
+    would be read back instead.
+    """
+    env = dict(os.environ, **extra)
+    flags = re.sub(
+        r"--tf_xla_persistent_cache_directory=\S*", "", env.get("TF_XLA_FLAGS", "")
+    ).split()
+    if flags:
+        env["TF_XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("TF_XLA_FLAGS", None)
+    return env
+
+
 def make_optimizer(name):
     """The optimizer of `name` (a key of `BASELINES`), default arguments."""
     import keras
@@ -199,7 +217,7 @@ def measure_torch(name, count, shapes=2, epochs=2):
 
 def run_case(backend, name, mode, count, timeout, shapes=2):
     """Runs one case in a fresh process; its result, or None past `timeout`."""
-    env = dict(os.environ, KERAS_BACKEND=backend)
+    env = compiling_environment(KERAS_BACKEND=backend)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     command = [sys.executable, os.path.abspath(__file__), "--child"]
     command += [backend, name, mode, str(count), str(shapes)]

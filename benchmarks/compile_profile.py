@@ -30,6 +30,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+# compile_bench.py, beside this script: its optimizers, variables and
+# environment.
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 #: One op on a (4,) float32 tensor, by the TensorFlow op name it creates.
 OPS = {
@@ -55,12 +60,10 @@ def measure_phases(name, count, stacked_rows=None, kernels=False):
     dump = tempfile.mkdtemp(prefix="compile_profile_") if kernels else None
     if dump:
         os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+    import compile_bench
     import tensorflow as tf
 
     from tf_lars import _rules
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import compile_bench
 
     if stacked_rows is not None:
         _rules.STACKED_ROWS = stacked_rows
@@ -103,7 +106,9 @@ def measure_op(op, count):
 def run_case(argv, timeout):
     """One case in a fresh process (`--case`); its JSON result, or None."""
     command = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(argv)]
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    import compile_bench
+
+    environment = compile_bench.compiling_environment(TF_CPP_MIN_LOG_LEVEL="3")
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout, env=environment

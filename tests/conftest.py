@@ -3,10 +3,42 @@ the command line's harness (`run_cli`, `one_line_error`) as fixtures, and a
 marker per part of the project (`PARTS`: `pytest -m optimizers` runs the
 optimizer tests alone)."""
 
+import importlib.metadata
 import inspect
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# XLA's compiled programs are kept between runs, in TensorFlow's persistent
+# cache: keyed by the program (not the function's name), so a step compiled
+# once, by this run or an earlier one, in a test or in a process a test
+# starts (the environment is inherited), is read back instead of compiled
+# again. It lives in pytest's cache folder (git-ignored): `pytest
+# --cache-clear` or deleting `.pytest_cache/` starts cold, and
+# `TF_LARS_TEST_XLA_CACHE=0` runs without it (docs/guides/development.md).
+# One folder per TensorFlow release: an entry is keyed by its program, not by
+# the compiler that wrote it.
+try:
+    _TENSORFLOW = importlib.metadata.version("tensorflow")
+except importlib.metadata.PackageNotFoundError:
+    _TENSORFLOW = None
+XLA_CACHE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ".pytest_cache",
+    "d",
+    "xla",
+    f"tensorflow-{_TENSORFLOW}",
+)
+_XLA_FLAGS = os.environ.get("TF_XLA_FLAGS", "")
+if (
+    _TENSORFLOW is not None
+    and os.environ.get("TF_LARS_TEST_XLA_CACHE", "1") != "0"
+    and "tf_xla_persistent_cache_directory" not in _XLA_FLAGS
+):
+    os.makedirs(XLA_CACHE, exist_ok=True)
+    os.environ["TF_XLA_FLAGS"] = (
+        f"{_XLA_FLAGS} --tf_xla_persistent_cache_directory={XLA_CACHE}".strip()
+    )
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
