@@ -6,10 +6,13 @@ the package: `tests/benchmark_scripts.py` loads it from its path.
 
 import os
 import pathlib
+import random
 import re
 import subprocess
 import sys
 
+import keras
+import numpy as np
 import pytest
 
 from tests import benchmark_scripts
@@ -348,3 +351,38 @@ def test_start_cost_names_the_failing_case(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         "start_cost.py: error: a case failed: no"
     )
+
+
+def test_compile_benchmarks_run_without_the_xla_cache(monkeypatch):
+    compile_bench = benchmark_scripts.load("compile_bench")
+    monkeypatch.setenv(
+        "TF_XLA_FLAGS",
+        "--tf_xla_auto_jit=2 --tf_xla_persistent_cache_directory=/x/y --tf_xla_cpu=1",
+    )
+    env = compile_bench.compiling_environment(KERAS_BACKEND="jax")
+    assert env["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=2 --tf_xla_cpu=1"
+    assert env["KERAS_BACKEND"] == "jax"
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory=/x/y")
+    assert "TF_XLA_FLAGS" not in compile_bench.compiling_environment()
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow"
+    or os.environ.get("TF_LARS_TEST_XLA_CACHE") == "0",
+    reason="TensorFlow's XLA cache, on while the suite runs on TensorFlow",
+)
+def test_the_suite_keeps_compiled_programs_in_its_cache():
+    import tensorflow as tf
+
+    from tests.conftest import XLA_CACHE
+
+    assert (
+        f"--tf_xla_persistent_cache_directory={XLA_CACHE}"
+        in os.environ["TF_XLA_FLAGS"].split()
+    )
+    assert os.path.basename(XLA_CACHE) == f"tensorflow-{tf.__version__}"
+    before = set(os.listdir(XLA_CACHE))
+    factor = random.random()  # a program no earlier run compiled
+    step = tf.function(lambda x: x * factor + 1.0, jit_compile=True)
+    np.testing.assert_allclose(step(tf.ones(3)).numpy(), np.full(3, factor + 1.0))
+    assert len(set(os.listdir(XLA_CACHE)) - before) == 1
