@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+import compile_bench  # noqa: E402
+
 #: One op on a (4,) float32 tensor, by the TensorFlow op name it creates.
 OPS = {
     "Mul": lambda tf, x: x * 2.0,
@@ -60,7 +62,6 @@ def measure_phases(name, count, stacked_rows=None, kernels=False):
     dump = tempfile.mkdtemp(prefix="compile_profile_") if kernels else None
     if dump:
         os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
-    import compile_bench
     import tensorflow as tf
 
     from tf_lars import _rules
@@ -106,8 +107,6 @@ def measure_op(op, count):
 def run_case(argv, timeout):
     """One case in a fresh process (`--case`); its JSON result, or None."""
     command = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(argv)]
-    import compile_bench
-
     environment = compile_bench.compiling_environment(TF_CPP_MIN_LOG_LEVEL="3")
     try:
         done = subprocess.run(
