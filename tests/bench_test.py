@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests import benchmark_scripts
+from tests.conftest import XLA_CACHE, XLA_CACHE_ON
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench.py"
@@ -367,14 +368,11 @@ def test_compile_benchmarks_run_without_the_xla_cache(monkeypatch):
 
 
 @pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow"
-    or os.environ.get("TF_LARS_TEST_XLA_CACHE") == "0",
-    reason="TensorFlow's XLA cache, on while the suite runs on TensorFlow",
+    keras.backend.backend() != "tensorflow" or not XLA_CACHE_ON,
+    reason="the suite's XLA cache: on TensorFlow, unless off (tests/conftest.py)",
 )
 def test_the_suite_keeps_compiled_programs_in_its_cache():
     import tensorflow as tf
-
-    from tests.conftest import XLA_CACHE
 
     assert (
         f"--tf_xla_persistent_cache_directory={XLA_CACHE}"
