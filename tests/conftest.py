@@ -30,19 +30,22 @@ XLA_CACHE = os.path.join(
     f"tensorflow-{_TENSORFLOW}",
 )
 _XLA_FLAGS = os.environ.get("TF_XLA_FLAGS", "")
+_XLA_CACHE_FLAG = f"--tf_xla_persistent_cache_directory={XLA_CACHE}"
 #: Whether this run keeps its programs in `XLA_CACHE`: not without a
 #: `tensorflow` distribution (a nightly's is `tf-nightly`), not when turned
-#: off, and not where `TF_XLA_FLAGS` already names a cache of its own.
+#: off, and not where `TF_XLA_FLAGS` names a cache of its own (a pytest-xdist
+#: worker inherits this one's flag from the controller).
 XLA_CACHE_ON = (
     _TENSORFLOW is not None
     and os.environ.get("TF_LARS_TEST_XLA_CACHE", "1") != "0"
-    and "tf_xla_persistent_cache_directory" not in _XLA_FLAGS
-)
-if XLA_CACHE_ON:
-    os.makedirs(XLA_CACHE, exist_ok=True)
-    os.environ["TF_XLA_FLAGS"] = (
-        f"{_XLA_FLAGS} --tf_xla_persistent_cache_directory={XLA_CACHE}".strip()
+    and (
+        "tf_xla_persistent_cache_directory" not in _XLA_FLAGS
+        or _XLA_CACHE_FLAG in _XLA_FLAGS.split()
     )
+)
+if XLA_CACHE_ON and _XLA_CACHE_FLAG not in _XLA_FLAGS.split():
+    os.makedirs(XLA_CACHE, exist_ok=True)
+    os.environ["TF_XLA_FLAGS"] = f"{_XLA_FLAGS} {_XLA_CACHE_FLAG}".strip()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
