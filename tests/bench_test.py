@@ -380,7 +380,9 @@ def test_the_suite_keeps_compiled_programs_in_its_cache():
     )
     assert os.path.basename(XLA_CACHE) == f"tensorflow-{tf.__version__}"
     before = set(os.listdir(XLA_CACHE))
-    factor = random.random()  # a program no earlier run compiled
+    # A program no earlier run compiled: not from `random`'s own generator,
+    # which the suite seeds before every test.
+    factor = random.SystemRandom().random()
     step = tf.function(lambda x: x * factor + 1.0, jit_compile=True)
     np.testing.assert_allclose(step(tf.ones(3)).numpy(), np.full(3, factor + 1.0))
     assert len(set(os.listdir(XLA_CACHE)) - before) == 1
