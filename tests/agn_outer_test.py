@@ -234,5 +234,11 @@ def test_rejects_the_inner_loss_scale_and_agn_as_outer():
     ):
         with pytest.raises(ValueError, match="must not be a loss-scale optimizer"):
             AGN(inner, outer_optimizer=outer)
-    with pytest.raises(ValueError, match="must not itself be an AGN"):
-        AGN(inner, outer_optimizer=AGN(keras.optimizers.SGD(0.5)))
+    for outer in (
+        AGN(keras.optimizers.SGD(0.5)),
+        tf_lars.DiLoCo(keras.optimizers.SGD(0.5)),
+    ):
+        with pytest.raises(ValueError, match="`outer_optimizer` must not be an AGN"):
+            AGN(inner, outer_optimizer=outer)
+    with pytest.raises(ValueError, match="`outer_optimizer` must not be a DiLoCo"):
+        tf_lars.DiLoCo(inner, AGN(keras.optimizers.SGD(0.5)))

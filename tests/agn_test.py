@@ -415,8 +415,13 @@ def test_rejects_non_optimizer_inner(inner):
 
 
 def test_rejects_agn_inner_and_base_arguments():
-    with pytest.raises(ValueError, match="must not itself be an AGN"):
+    message = "`inner_optimizer` must not be an AGN or a DiLoCo: each takes outer"
+    with pytest.raises(ValueError, match=message):
         AGN(AGN(keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match=message):
+        AGN(tf_lars.DiLoCo(keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match="`inner_optimizer` must not be a DiLoCo"):
+        tf_lars.DiLoCo(AGN(keras.optimizers.SGD()))
     with pytest.raises(
         ValueError,
         match=r"`clipnorm` is not supported by AGN; set it on `inner_optimizer`\. "

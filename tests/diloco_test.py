@@ -116,7 +116,10 @@ def test_diloco_matches_the_numpy_reference(num_workers, inner, dtype):
     sync_every, steps = 3, 12  # four rounds
     initial, gradients = _problem(num_workers, steps)
     make_inner, make_reference_inner = INNER[inner]
-    workers = [DiLoCo(make_inner(), sync_every=sync_every) for _ in range(num_workers)]
+    workers = [
+        DiLoCo(make_inner(), sync_every=sync_every, exchange="external")
+        for _ in range(num_workers)
+    ]
     worker_variables = _run(workers, initial, gradients, steps, dtype)
     theta, expected_workers = reference.diloco(
         [w.astype("float64") for w in initial],
@@ -167,6 +170,7 @@ def test_one_inner_step_and_plain_outer_sgd_is_data_parallel_sgd(momentum):
             keras.optimizers.SGD(learning_rate=0.1, momentum=momentum),
             outer_optimizer=keras.optimizers.SGD(learning_rate=1.0),
             sync_every=1,
+            exchange="external",
         )
         for _ in range(num_workers)
     ]
@@ -283,6 +287,7 @@ def test_compressed_diloco_matches_the_reference(
             compression=compression,
             granularity=granularity,
             error_feedback=error_feedback,
+            exchange="external",
         )
         for _ in range(num_workers)
     ]
@@ -329,6 +334,7 @@ def test_streaming_diloco_matches_the_reference():
             compression="int8",
             error_feedback=True,
             num_fragments=2,
+            exchange="external",
         )
         for _ in range(num_workers)
     ]
@@ -375,6 +381,7 @@ def test_get_config_round_trips():
         error_feedback=True,
         num_fragments=3,
         name="worker_0",
+        exchange="external",
     )
     config = worker.get_config()
     assert config["inner_optimizer"]["class_name"] == "AdamW"
@@ -399,6 +406,16 @@ BAD_ARGUMENTS = [
     ({"sync_every": 0}, "`sync_every` must be an int >= 1. Received: sync_every=0"),
     ({"sync_every": True}, "Received: sync_every=True"),
     ({"sync_every": 2.0}, "Received: sync_every=2.0"),
+    ({"sync_every": 2**70}, "`sync_every` must be at most 9223372036854775807"),
+    ({"exchange": "ring"}, "`exchange` must be one of ['local', 'external']. Rec"),
+    (
+        {"inner_optimizer": DiLoCo(keras.optimizers.SGD(0.1))},
+        "`inner_optimizer` must not be a DiLoCo or an AGN",
+    ),
+    (
+        {"outer_optimizer": DiLoCo(keras.optimizers.SGD(0.1))},
+        "`outer_optimizer` must not be a DiLoCo or an AGN",
+    ),
     ({"inner_optimizer": "adam"}, "Received: inner_optimizer='adam'"),
     ({"outer_optimizer": "sgd"}, "`outer_optimizer` must be a `keras.optimizers"),
     (
@@ -461,9 +478,35 @@ def test_bad_calls_are_refused_naming_the_argument():
         worker.outer_step([np.zeros(2, "float32")], variables, fragment=0)
     with pytest.raises(ValueError, match="one variable list per worker. Received: 1"):
         simulate_sync([worker, worker], [variables])
+    # A variable of another shape would broadcast against theta: (3, 1) - (2,).
+    other = [keras.Variable(np.ones((2, 1), "float32"))] + variables[1:]
+    message = r"entry 0 must have shape \(2,\)\. Received: shape \(2, 1\)"
+    with pytest.raises(ValueError, match="`variables` must match.*" + message):
+        worker.pseudo_gradient(other)
+    with pytest.raises(ValueError, match="`mean_pseudo_gradient` must match"):
+        worker.outer_step([np.zeros((2, 1), "float32")] * 2, variables, fragment=0)
     too_many = DiLoCo(keras.optimizers.SGD(0.1), sync_every=4, num_fragments=4)
     with pytest.raises(ValueError, match=r"number of variables \(3\)\. Received"):
         too_many.build(variables)
+
+
+def test_a_driver_refuses_a_worker_that_took_its_own_outer_step():
+    # exchange="local" (the default) took the outer step of round 1 itself:
+    # simulate_sync would take a second one. Before any outer step, a driver
+    # takes the exchange over.
+    variables = [keras.Variable(np.ones(2, "float32"))]
+    alone = DiLoCo(keras.optimizers.SGD(0.1), sync_every=1)
+    alone.apply([ops.ones(2)], variables)
+    with pytest.raises(ValueError, match="simulate_sync takes diloco's outer steps"):
+        simulate_sync([alone], [variables])
+    fresh = DiLoCo(keras.optimizers.SGD(0.1), sync_every=2)
+    fresh.apply([ops.ones(2)], variables)
+    fresh.take_over_exchange("a driver")  # as `synchronize` does at every step
+    assert fresh.exchange == "external"
+    fresh.apply([ops.ones(2)], variables)  # round 1 ends: no own step
+    assert int(ops.convert_to_numpy(fresh.outer_optimizer.iterations)) == 0
+    simulate_sync([fresh], [variables])
+    assert int(ops.convert_to_numpy(fresh.outer_optimizer.iterations)) == 1
 
 
 def _guide_example():
@@ -479,10 +522,11 @@ def test_the_guide_s_example_runs_as_pasted(capsys):
     assert lines[1] == "workers agree: True"
 
 
-def test_model_fit_takes_the_inner_steps_and_save_keeps_every_variable(tmp_path):
-    # On every backend: `model.fit` with a DiLoCo (no exchange without
-    # `DiLoCoSync`) steps exactly as its inner optimizer alone, and a
-    # `.keras` file restores all of its state.
+def test_model_fit_takes_the_outer_step_every_h_steps_as_one_worker(tmp_path):
+    # On every backend: `model.fit` with a DiLoCo alone is one worker (M = 1):
+    # an outer step (the paper's Nesterov SGD) every 3 inner steps, after
+    # steps 3 and 6 of 8, as the NumPy reference takes them; a `.keras` file
+    # restores all of its state.
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype("float32")
     y = (x @ rng.normal(size=(4, 1))).astype("float32")
@@ -490,15 +534,33 @@ def test_model_fit_takes_the_inner_steps_and_save_keeps_every_variable(tmp_path)
     def fit(optimizer):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        initial = [np.array(w) for w in model.get_weights()]
         model.compile(optimizer, "mse")
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        return model
+        return model, initial
 
-    model = fit(DiLoCo(keras.optimizers.SGD(0.05, momentum=0.9), sync_every=3))
-    alone = fit(keras.optimizers.SGD(0.05, momentum=0.9))
-    for a, b in zip(model.get_weights(), alone.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    def mse_gradients(worker, step, weights):
+        rows = slice(16 * (step % 4), 16 * (step % 4 + 1))
+        residual = x[rows] @ weights[0] + weights[1] - y[rows]
+        return [2 * x[rows].T @ residual / 16, 2 * residual.mean(axis=0)]
+
+    model, initial = fit(DiLoCo(keras.optimizers.SGD(0.05, momentum=0.9), sync_every=3))
+    theta, (expected,) = reference.diloco(
+        [w.astype("float64") for w in initial],
+        mse_gradients,
+        lambda: reference.SGD(0.05, momentum=0.9),
+        reference.SGD(0.7, momentum=0.9, nesterov=True),
+        num_workers=1,
+        sync_every=3,
+        steps=8,
+    )
+    _close(model.optimizer.global_variables, theta, "float32")
+    _close(model.trainable_variables, expected, "float32")
     assert int(ops.convert_to_numpy(model.optimizer.inner_steps)) == 8
+    assert int(ops.convert_to_numpy(model.optimizer.outer_optimizer.iterations)) == 2
+    # Two steps past the last outer step: not the inner optimizer alone.
+    alone, _ = fit(keras.optimizers.SGD(0.05, momentum=0.9))
+    assert not np.allclose(model.get_weights()[0], alone.get_weights()[0], atol=1e-3)
     path = str(tmp_path / "diloco.keras")
     model.save(path)
     loaded = keras.models.load_model(path)

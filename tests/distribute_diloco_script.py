@@ -64,6 +64,7 @@ def fit_optimizer():
         keras.optimizers.SGD(0.05, momentum=0.9, name="inner"),
         keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True, name="outer"),
         sync_every=3,
+        exchange="external",  # DiLoCoSync, synchronize or simulate_sync
     )
 
 
@@ -76,6 +77,7 @@ def loop_optimizer():
         granularity="row",
         error_feedback=True,
         num_fragments=2,
+        exchange="external",  # DiLoCoSync, synchronize or simulate_sync
     )
 
 
@@ -84,6 +86,7 @@ def dp_optimizer():
         keras.optimizers.SGD(0.1, name="inner"),
         keras.optimizers.SGD(1.0, name="outer"),
         sync_every=1,
+        exchange="external",  # DiLoCoSync, synchronize or simulate_sync
     )
 
 

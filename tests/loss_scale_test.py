@@ -1018,3 +1018,79 @@ def test_counters_are_written_through_self_assign():
 def test_inner_learning_rate_beyond_float32_is_refused():
     with pytest.raises(ValueError, match="SGD with learning_rate=inf"):
         tf_lars.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=1e300))
+
+
+# One loss scale, wherever it sits: a wrapper that holds one (DiLoCo, AGN)
+# gives the loss scale's own weights, and `compile` under mixed_float16
+# refuses to add a second one around it (which would unscale every gradient
+# twice). TrustRatio refuses to hold one; LARS, LAMB and TrustRatio train the
+# same whether Keras's `compile` adds the loss scale or tf_lars's wraps them.
+_HOLDERS = {
+    # An outer SGD(1) without momentum makes theta the worker's weights.
+    "DiLoCo": lambda inner: tf_lars.DiLoCo(
+        inner, keras.optimizers.SGD(1.0), sync_every=2
+    ),
+    "AGN": lambda inner: tf_lars.AGN(inner, communication_period=1),
+}
+_ADAPTIVE = {
+    "TrustRatio": lambda: tf_lars.TrustRatio(keras.optimizers.SGD(0.1)),
+    "LARS": lambda: tf_lars.LARS(0.5, momentum=0.9, trust_coefficient=0.02),
+    "LAMB": lambda: tf_lars.LAMB(0.01),
+}
+
+
+def _fit_weights(optimizer, **compile_arguments):
+    x, y = _regression_data()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss="mse", **compile_arguments)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return [w.numpy() for w in model.trainable_variables]
+
+
+@pytest.fixture(params=["mixed_float16", "mixed_bfloat16"])
+def mixed_policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    try:
+        yield request.param
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("holder", sorted(_HOLDERS))
+def test_a_wrapper_holding_the_loss_scale_gives_its_weights(mixed_policy, holder):
+    def scaled_sgd():
+        return LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=2.0**10, dynamic=False
+        )
+
+    alone = _fit_weights(scaled_sgd())
+    wrapper = _HOLDERS[holder](scaled_sgd())
+    if mixed_policy == "mixed_float16":
+        with pytest.raises(ValueError, match="would unscale the gradients twice"):
+            _fit_weights(wrapper)
+        held = _fit_weights(wrapper, auto_scale_loss=False)
+    else:  # Keras adds no loss scale under bfloat16.
+        held = _fit_weights(wrapper)
+    for expected, actual in zip(alone, held, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(alone[0], _fit_weights(keras.optimizers.SGD(0.0))[0])
+
+
+@pytest.mark.parametrize("name", sorted(_ADAPTIVE))
+def test_one_loss_scale_around_the_adaptive_optimizers(mixed_policy, name):
+    if name == "TrustRatio":
+        with pytest.raises(ValueError, match="inner_optimizer"):
+            tf_lars.TrustRatio(LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    # Keras's own loss scale (mixed_float16) or none (bfloat16), against
+    # tf_lars's at the same initial scale.
+    by_compile = _fit_weights(_ADAPTIVE[name]())
+    by_tf_lars = _fit_weights(LossScaleOptimizer(_ADAPTIVE[name]()))
+    for expected, actual in zip(by_compile, by_tf_lars, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)

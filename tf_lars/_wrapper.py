@@ -93,6 +93,39 @@ def gradient_as_tensor(gradient):
     return tf.convert_to_tensor(gradient)
 
 
+class RefusesOuterLossScale:
+    """Mixin for wrappers whose inner optimizer may be a loss scale (AGN, DiLoCo).
+
+    Keras's `LossScaleOptimizer` (the one `model.compile` adds around any
+    other optimizer under the `mixed_float16` policy, and tf_lars's subclass)
+    turns its inner optimizer's own scaling off by setting
+    `inner.loss_scale_factor = None` in its constructor (read from
+    keras/src/optimizers/loss_scale_optimizer.py, Keras 3.8 to 3.15). Around a
+    wrapper that holds a loss scale already, it would unscale every gradient a
+    second time: steps `scale` times too small. That assignment is where the
+    nesting is seen, so it is refused there, in one `ValueError`. A wrapper's
+    own `loss_scale_factor` stays None: it scales through its inner
+    optimizer's `scale_loss`.
+    """
+
+    def __setattr__(self, name, value):
+        inner = getattr(self, "inner_optimizer", None)  # None while constructing
+        if name == "loss_scale_factor" and isinstance(
+            inner, keras.optimizers.LossScaleOptimizer
+        ):
+            kind = type(self).__name__
+            raise ValueError(
+                f"{kind}'s `inner_optimizer` is a loss-scale optimizer already, "
+                f"so a second one around {kind} (as `model.compile` adds under "
+                "the mixed_float16 policy) would unscale the gradients twice. "
+                "Compile with `auto_scale_loss=False` (the model then calls "
+                f"{kind}.scale_loss, which is the inner loss scale's). "
+                f"Received: {kind}({type(inner).__name__}(...)) inside "
+                "another loss-scale optimizer"
+            )
+        super().__setattr__(name, value)
+
+
 class InnerOptimizerWrapper:
     """Mixin for optimizers built around an `inner_optimizer`.
 

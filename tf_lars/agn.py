@@ -25,10 +25,12 @@ from tf_lars._validation import check_inner_learning_rate, check_outer_optimizer
 from tf_lars._wrapper import (
     BASE_ARGUMENT_DEFAULTS,
     InnerOptimizerWrapper,
+    RefusesOuterLossScale,
     all_finite,
     gradient_as_tensor,
     require_built,
 )
+from tf_lars.diloco import takes_outer_steps
 from tf_lars.schedules import check_step_count
 
 __all__ = ["AGN"]
@@ -142,7 +144,7 @@ class _Untracked:
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
+class AGN(RefusesOuterLossScale, InnerOptimizerWrapper, keras.optimizers.Optimizer):
     """Accumulated Gradient Normalization: local steps, normalized commits.
 
     Each worker trains a local copy of the model with the inner optimizer and
@@ -266,10 +268,10 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
                 f"instance. Received: inner_optimizer={inner_optimizer!r}"
             )
-        if isinstance(inner_optimizer, AGN):
+        if takes_outer_steps(inner_optimizer):
             raise ValueError(
-                "`inner_optimizer` must not itself be an AGN optimizer. "
-                f"Received: inner_optimizer={inner_optimizer!r}"
+                "`inner_optimizer` must not be an AGN or a DiLoCo: each takes "
+                f"outer steps of its own. Received: inner_optimizer={inner_optimizer!r}"
             )
         check_inner_learning_rate(inner_optimizer)
         if (
@@ -284,10 +286,11 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         check_step_count("communication_period", int(communication_period))
         if outer_optimizer is not None:
             check_outer_optimizer(outer_optimizer, inner_optimizer)
-            if isinstance(outer_optimizer, AGN):
+            if takes_outer_steps(outer_optimizer):
                 raise ValueError(
-                    "`outer_optimizer` must not itself be an AGN optimizer. "
-                    f"Received: outer_optimizer={outer_optimizer!r}"
+                    "`outer_optimizer` must not be an AGN or a DiLoCo: each "
+                    "takes outer steps of its own. Received: "
+                    f"outer_optimizer={outer_optimizer!r}"
                 )
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer

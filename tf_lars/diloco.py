@@ -12,6 +12,9 @@ streaming (fragments synced at staggered steps) is `streaming_schedule`.
 The rules are stated in docs/guides/low-communication.md.
 """
 
+import functools
+import sys
+
 import keras
 import numpy as np
 from keras import ops
@@ -27,7 +30,12 @@ from tf_lars._validation import (
     check_outer_optimizer,
     is_int,
 )
-from tf_lars._wrapper import BASE_ARGUMENT_DEFAULTS, require_built
+from tf_lars._wrapper import (
+    BASE_ARGUMENT_DEFAULTS,
+    RefusesOuterLossScale,
+    require_built,
+)
+from tf_lars.schedules import check_step_count
 
 __all__ = [
     "DiLoCo",
@@ -48,6 +56,10 @@ __all__ = [
 COMPRESSIONS = (None, "bfloat16", "int8", "int4")
 #: Absmax scaling over the whole tensor or over each row (axis 0).
 GRANULARITIES = ("tensor", "row")
+#: Who takes the outer step: `apply` itself, as one worker (M = 1), or a
+#: driver that averages over M workers (`simulate_sync`,
+#: `tf_lars.distribute.synchronize`, `tf_lars.distribute.DiLoCoSync`).
+EXCHANGES = ("local", "external")
 _BITS = {"bfloat16": 16, "int8": 8, "int4": 4}
 
 
@@ -191,7 +203,7 @@ def streaming_schedule(step, num_fragments, sync_every):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class DiLoCo(keras.optimizers.Optimizer):
+class DiLoCo(RefusesOuterLossScale, keras.optimizers.Optimizer):
     """One worker of synchronous DiLoCo, on any Keras backend.
 
     Each worker takes `sync_every` (H) inner steps with its own inner
@@ -200,13 +212,21 @@ class DiLoCo(keras.optimizers.Optimizer):
     the same outer step: the outer optimizer updates its copy of the global
     parameters `theta` with the mean `Delta`, and `theta` is copied into the
     worker's variables (`outer_step`). The inner optimizer keeps its state
-    across rounds. The averaging itself is the caller's: an all-reduce across
-    processes (`tf_lars.distribute.DiLoCoSync` on TensorFlow's
-    `MultiWorkerMirroredStrategy`), or `simulate_sync` for workers simulated
-    in one process.
+    across rounds.
+
+    Who averages (`exchange`): by default (`"local"`) one process is one
+    worker, and `apply` itself takes the outer step every `sync_every` inner
+    steps with M = 1 (the outer optimizer alone, as SNOO does). Across
+    processes `tf_lars.distribute.DiLoCoSync` (TensorFlow's
+    `MultiWorkerMirroredStrategy`) or `tf_lars.distribute.synchronize` takes
+    it, and `simulate_sync` for workers simulated in one process; each sets
+    `exchange="external"` on its first call (and refuses an optimizer that
+    already took an outer step on its own: construct it with
+    `exchange="external"` where the first round is one step long).
 
     It is a Keras optimizer: `model.compile(optimizer=DiLoCo(...))` takes
-    the inner steps in `model.fit`, and the model's saving and checkpoints
+    the inner steps and the outer steps in `model.fit`, and the model's
+    saving and checkpoints
     hold its whole state (`theta`, the outer and inner optimizers' slots,
     the error buffers, the inner-step count `iterations`). `learning_rate`
     is the inner optimizer's.
@@ -233,6 +253,9 @@ class DiLoCo(keras.optimizers.Optimizer):
             into this many strided fragments, fragment `f` synced at its own
             offset (`streaming_schedule`). Defaults to `1` (plain DiLoCo).
         name: str. Defaults to `"diloco"`.
+        exchange: str, keyword only. `"local"`: `apply` takes the outer step
+            itself as the only worker; `"external"`: a driver takes it (see
+            above). Defaults to `"local"`.
 
     References:
         - Douillard et al., 2023. DiLoCo: Distributed Low-Communication
@@ -245,11 +268,12 @@ class DiLoCo(keras.optimizers.Optimizer):
         >>> from tf_lars.diloco import DiLoCo
         >>> worker = DiLoCo(keras.optimizers.SGD(0.1), sync_every=2)
         >>> w = [keras.Variable(np.ones(3, "float32"))]
-        >>> for _ in range(2):
+        >>> for _ in range(2):  # one worker: the outer step after the 2nd
         ...     worker.apply([np.ones(3, "float32")], w)
-        >>> worker.outer_step(worker.pseudo_gradient(w), w)
         >>> np.round(keras.ops.convert_to_numpy(w[0]), 4)
         array([0.734, 0.734, 0.734], dtype=float32)
+        >>> int(keras.ops.convert_to_numpy(worker.outer_optimizer.iterations))
+        1
     """
 
     def __init__(
@@ -262,6 +286,8 @@ class DiLoCo(keras.optimizers.Optimizer):
         error_feedback=False,
         num_fragments=1,
         name="diloco",
+        *,
+        exchange="local",
         **kwargs,
     ):
         for key, value in kwargs.items():
@@ -278,11 +304,23 @@ class DiLoCo(keras.optimizers.Optimizer):
             )
         check_optimizer("inner_optimizer", inner_optimizer)
         check_outer_optimizer(outer_optimizer, inner_optimizer)
+        for argument, value in (
+            ("inner_optimizer", inner_optimizer),
+            ("outer_optimizer", outer_optimizer),
+        ):
+            if takes_outer_steps(value):
+                raise ValueError(
+                    f"`{argument}` must not be a DiLoCo or an AGN: each takes "
+                    f"outer steps of its own. Received: {argument}={value!r}"
+                )
         check_inner_learning_rate(inner_optimizer)
-        sync_every = check_int("sync_every", sync_every, 1)
+        sync_every = check_step_count(
+            "sync_every", check_int("sync_every", sync_every, 1)
+        )
         check_choice("compression", compression, COMPRESSIONS)
         check_choice("granularity", granularity, GRANULARITIES)
         check_bool("error_feedback", error_feedback)
+        check_choice("exchange", exchange, EXCHANGES)
         if error_feedback and compression is None:
             raise ValueError(
                 "`error_feedback` needs a `compression` (without one nothing "
@@ -303,6 +341,7 @@ class DiLoCo(keras.optimizers.Optimizer):
         self.granularity = granularity
         self.error_feedback = error_feedback
         self.num_fragments = num_fragments
+        self.exchange = exchange
         self.global_variables, self.errors, self.fragments = [], [], []
 
     def build(self, variables):
@@ -362,7 +401,8 @@ class DiLoCo(keras.optimizers.Optimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def apply(self, grads, trainable_variables=None):
-        """One inner step: the inner optimizer's `apply`, counted.
+        """One inner step: the inner optimizer's `apply`, counted; with
+        `exchange="local"`, then the outer step of every fragment due.
 
         Args:
             grads: list of gradients, one per variable.
@@ -378,6 +418,48 @@ class DiLoCo(keras.optimizers.Optimizer):
         self._check_length("variables", variables, len(self.global_variables))
         self.inner_optimizer.apply(grads, variables)
         self.iterations.assign_add(1)
+        if self.exchange == "local":
+            self._local_outer_steps(variables)
+
+    def _local_outer_steps(self, variables):
+        """The outer step of each fragment due now, as the only worker
+        (`simulate_sync([self], [variables])`), decided on the device: the
+        step count is a tensor inside `fit`'s compiled step."""
+        step = ops.convert_to_tensor(self.iterations)
+        offsets = fragment_offsets(self.num_fragments, self.sync_every)
+        for fragment, offset in enumerate(offsets):
+            due = ops.logical_and(
+                step >= max(offset, 1),
+                ops.equal((step - offset) % self.sync_every, 0),
+            )
+            fragment = None if self.num_fragments == 1 else fragment
+            indices = self._indices(fragment)
+            state = [self.global_variables[i] for i in indices]
+            state += [self.errors[i] for i in indices if self.errors]
+            state += list(self.outer_optimizer.variables)
+            state += [variables[i] for i in indices]
+            _when(due, functools.partial(self._sync_alone, variables, fragment), state)
+
+    def _sync_alone(self, variables, fragment):
+        mean = self.compress(self.pseudo_gradient(variables, fragment), fragment)
+        self.outer_step(mean, variables, fragment)
+
+    def take_over_exchange(self, driver):
+        """Called by an exchange driver (`driver`: its name) right after an
+        inner step: sets `exchange="external"`. Refused, in one `ValueError`,
+        where that step ended a round under `exchange="local"`: this
+        optimizer took the round's outer step itself, and the driver would
+        take a second one. Eager: reads the step count."""
+        if self.exchange == "external":
+            return
+        if self.built and self.due_fragments():
+            raise ValueError(
+                f"{driver} takes {self.name}'s outer steps, but {self.name} "
+                "took this round's outer step itself (exchange='local': one "
+                "worker). Construct it with `exchange='external'`. Received: "
+                "exchange='local'"
+            )
+        self.exchange = "external"
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
@@ -398,6 +480,7 @@ class DiLoCo(keras.optimizers.Optimizer):
         variables = list(variables)
         self.build(variables)
         self._check_length("variables", variables, len(self.global_variables))
+        self._check_shapes("variables", variables, range(len(variables)))
         return [
             ops.convert_to_tensor(self.global_variables[i])
             - ops.cast(variables[i], self.global_variables[i].dtype)
@@ -440,6 +523,8 @@ class DiLoCo(keras.optimizers.Optimizer):
         self._check_length("variables", variables, len(self.global_variables))
         indices = self._indices(fragment)
         self._check_length("mean_pseudo_gradient", mean_pseudo_gradient, len(indices))
+        self._check_shapes("variables", variables, range(len(variables)))
+        self._check_shapes("mean_pseudo_gradient", mean_pseudo_gradient, indices)
         theta = [self.global_variables[i] for i in indices]
         grads = [
             ops.cast(delta, target.dtype)
@@ -465,6 +550,18 @@ class DiLoCo(keras.optimizers.Optimizer):
             )
         return self.fragments[fragment]
 
+    def _check_shapes(self, name, values, indices):
+        """Refuses a tensor of another shape than its `theta` (which would
+        broadcast, silently or in the backend's own words)."""
+        for value, i in zip(values, indices, strict=True):
+            shape = tuple(self.global_variables[i].shape)
+            if tuple(ops.shape(value)) != shape:
+                raise ValueError(
+                    f"`{name}` must match the variables {self.name} was built "
+                    f"with: entry {i} must have shape {shape}. Received: shape "
+                    f"{tuple(ops.shape(value))}"
+                )
+
     def _check_length(self, name, values, expected):
         if len(values) != expected:
             raise ValueError(
@@ -486,6 +583,7 @@ class DiLoCo(keras.optimizers.Optimizer):
             "error_feedback": self.error_feedback,
             "num_fragments": self.num_fragments,
             "name": self.name,
+            "exchange": self.exchange,
         }
 
     @classmethod
@@ -497,6 +595,44 @@ class DiLoCo(keras.optimizers.Optimizer):
                 config[key], custom_objects=custom_objects
             )
         return cls(**config)
+
+
+def takes_outer_steps(optimizer):
+    """Whether `optimizer` is a DiLoCo or an AGN (AGN only exists where
+    `tf_lars.agn` was imported)."""
+    agn = sys.modules.get("tf_lars.agn")
+    return isinstance(optimizer, DiLoCo) or (
+        agn is not None and isinstance(optimizer, agn.AGN)
+    )
+
+
+def _when(condition, step, state):
+    """Runs `step()` (which writes `state`, a list of variables) where the
+    scalar bool tensor `condition` holds, on any backend.
+
+    TensorFlow: `tf.cond`, whose branches may write variables (inside XLA
+    too). PyTorch runs eagerly: a Python `if`. JAX traces `fit`'s step under
+    a stateless scope where a branch of `lax.cond` cannot write: the step is
+    taken on every call and each written value kept only where `condition`
+    holds, as Keras's own JAX optimizer does for gradient accumulation.
+    """
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def taken():
+            step()
+            return tf.constant(True)
+
+        tf.cond(condition, taken, lambda: tf.constant(False))
+    elif backend == "jax":
+        before = [ops.copy(ops.convert_to_tensor(v)) for v in state]
+        step()
+        for variable, old in zip(state, before, strict=True):
+            new = ops.convert_to_tensor(variable)
+            variable.assign(ops.where(condition, new, old))
+    elif bool(ops.convert_to_numpy(condition)):
+        step()
 
 
 def _copy_of(variable):
@@ -526,6 +662,8 @@ def simulate_sync(workers, worker_variables, fragment=None):
             "`worker_variables` must hold one variable list per worker. "
             f"Received: {len(worker_variables)} lists for {len(workers)} workers"
         )
+    for worker in workers:
+        worker.take_over_exchange("simulate_sync")
     sent = [
         worker.compress(worker.pseudo_gradient(variables, fragment), fragment)
         for worker, variables in zip(workers, worker_variables, strict=True)

@@ -185,6 +185,7 @@ def synchronize(diloco, variables, strategy=None, traffic=None):
     """
     _check_diloco(diloco)
     workers = _workers(strategy)
+    diloco.take_over_exchange("synchronize")
     due = diloco.due_fragments()
     for fragment in due:
         payloads = diloco.encode(diloco.pseudo_gradient(variables, fragment), fragment)
@@ -269,11 +270,24 @@ class DiLoCoSync(keras.callbacks.Callback):
         optimizer = model.optimizer
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
+        # No step of this `fit` has run: every round of it is this
+        # callback's (earlier ones, if any, were whoever's took them).
+        self._exchange = optimizer.exchange
+        if optimizer.exchange == "local":
+            optimizer.exchange = "external"
+            # A step traced by an earlier `fit` took the outer step itself.
+            model.make_train_function(force=True)
         if self.strategy is not None and int(optimizer.iterations.numpy()) == 0:
             state = [*model.weights, *optimizer.global_variables]
             values = _from_first_worker(self.strategy, state)
             for variable, value in zip(state, values, strict=True):
                 variable.assign(value)
+
+    def on_train_end(self, logs=None):
+        # A model saved after this `fit` and trained alone is one worker.
+        if self._exchange != self.model.optimizer.exchange:
+            self.model.optimizer.exchange = self._exchange
+            self.model.make_train_function(force=True)
 
     def on_train_batch_end(self, batch, logs=None):
         synchronize(
