@@ -8,6 +8,8 @@ MultiWorkerMirroredStrategy workers started by the launcher.
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ import tensorflow as tf
 import yaml
 
 import tf_lars
-from tests.distribute_launch_helpers import launcher_env
+from tests.distribute_launch_helpers import LaunchedCluster, launcher_env
 from tf_lars.cli.config import ConfigError
 from tf_lars.cli.main import main
 from tf_lars.cli.train import (
@@ -493,16 +495,24 @@ def test_two_workers_through_the_launcher_equal_one_process(single_run, tmp_path
 
 # --------------------------------------------------------------- diloco
 @pytest.mark.slow
-def test_two_workers_train_with_diloco_through_the_launcher(tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+def test_two_workers_train_with_diloco_through_the_launcher(tmp_path, precision):
     # distribute.strategy=diloco: each worker its own copy on its half of the
     # 898 training digits (449 each: 14 steps of 32 per epoch), 3 epochs,
-    # an outer step every 7 inner steps: 6 outer steps.
+    # an outer step every 7 inner steps: 6 outer steps. Under mixed_float16
+    # the `loss_scale` block's scale sits inside DiLoCo (no second one from
+    # `compile`); the weights, theta and the payloads stay float32.
     output = tmp_path / "runs"
     logs = tmp_path / "logs"
     config = _tiny_config(tmp_path / "tiny.yaml", distribute={"strategy": "diloco"})
+    mixed = () if precision == "float32" else (
+        "--set", "training.precision=mixed_float16",
+        "--set", "loss_scale.enabled=true",
+    )  # fmt: skip
     chief_log, other_log = _train_on_two_workers(
         tmp_path, config, output, logs,
         "--set", "distribute.diloco.sync_every=7", "--set", "run_name=diloco",
+        *mixed,
     )  # fmt: skip
     run_dir = output / "diloco"
     assert "Strategy: diloco, 2 workers" in chief_log
@@ -525,7 +535,11 @@ def test_two_workers_train_with_diloco_through_the_launcher(tmp_path):
     model = keras.models.load_model(run_dir / "model.keras")
     optimizer = model.optimizer
     assert isinstance(optimizer, tf_lars.DiLoCo)
-    assert isinstance(optimizer.inner_optimizer, tf_lars.LARS)
+    inner = optimizer.inner_optimizer
+    if precision == "mixed_float16":
+        assert isinstance(inner, tf_lars.LossScaleOptimizer)
+        inner = inner.inner_optimizer
+    assert isinstance(inner, tf_lars.LARS)
     assert int(optimizer.iterations.numpy()) == 3 * 14
     assert int(optimizer.outer_optimizer.iterations.numpy()) == 6
     for weight, theta in zip(
@@ -540,6 +554,169 @@ def test_two_workers_train_with_diloco_through_the_launcher(tmp_path):
     )
     _, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
     assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+# ------------------------------------ signals, restarts and lost workers
+def _launched_train(tmp_path, strategy, launcher_args=(), epochs=20):
+    """`tf-lars train` (run_name=run, `epochs` epochs, diloco's outer step
+    every 7 of the 14 steps per epoch) on two workers through the launcher
+    (`--mode sync`), watched as it runs: a `LaunchedCluster`."""
+    config = _tiny_config(tmp_path / "tiny.yaml", distribute={"strategy": strategy})
+    return LaunchedCluster(
+        tmp_path / "logs",
+        ["--mode", "sync", "--workers", "2", *launcher_args],
+        ["train", "--config", config, *TINY_SET,
+         "--set", f"training.batch_size={PER_REPLICA}",
+         "--set", f"training.epochs={epochs}",
+         "--set", "distribute.diloco.sync_every=7",
+         "--set", f"output_dir={tmp_path / 'runs'}", "--set", "run_name=run"],
+        program=("-m", "tf_lars.cli"),
+    )  # fmt: skip
+
+
+def _worker_logs(tmp_path):
+    return [(tmp_path / "logs" / f"worker-{i}.log").read_text() for i in range(2)]
+
+
+NOTE_END = (
+    " of 20 epochs. config.yaml and history.json hold what finished; the model, "
+    "summary and plots were not written."
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, target",
+    [
+        ("multi_worker", "worker 0"),
+        ("diloco", "worker 0"),
+        ("multi_worker", "launcher"),
+    ],
+)
+def test_sigterm_stops_every_worker_at_a_step_end_with_a_note(
+    tmp_path, strategy, target
+):
+    # A preempted pod (`kill -TERM` of worker 0) or a stopped launcher (which
+    # passes SIGTERM on to both workers): the workers agree on the signal at
+    # a step end, stop there together, and the chief leaves its note.
+    with _launched_train(tmp_path, strategy) as run:
+        run.wait_for(r"^Epoch 2/20$", 240)
+        if target == "launcher":
+            run.process.send_signal(signal.SIGTERM)
+        else:
+            os.kill(run.task("worker", 0)["pid"], signal.SIGTERM)
+        code = run.wait(120)
+        output = run.output
+    logs = _worker_logs(tmp_path)
+    assert code == 143, output[-6000:] + logs[1][-3000:]
+    if target == "launcher":
+        assert (
+            "[launch] got SIGTERM; passing SIGTERM on to every task (SIGKILL 10s "
+            "later)" in run.lines
+        )
+    else:
+        assert re.search(r"^\[launch\] worker \d exited with status 143; stopping "
+                         r"the job \(no --restart-job\)$", output, re.M)  # fmt: skip
+    run_dir = tmp_path / "runs" / "run"
+    note = (run_dir / "INTERRUPTED").read_text()
+    done = int(re.search(r" after (\d+) of 20 epochs\.", note)[1])
+    assert note == f"Interrupted (SIGTERM) after {done}{NOTE_END}\n"
+    assert 1 <= done < 20
+    with open(run_dir / "history.json") as handle:
+        assert json.load(handle)["epoch"] == list(range(1, done + 1))
+    assert not (run_dir / "model.keras").exists()
+    # Each worker stopped itself (a SIGKILL prints nothing): the chief on its
+    # signal or the launcher's, worker 1 on the one the chief received.
+    kept = f"tf-lars train: interrupted (SIGTERM); the run folder {run_dir} keeps "
+    assert kept in logs[0]
+    assert "tf-lars train: interrupted (SIGTERM)\n" in logs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["multi_worker", "diloco"])
+def test_a_restarted_job_resumes_its_own_run_from_its_backup(tmp_path, strategy):
+    restart = ["--restart-job", "1", "--restart-delay", "0.5"]
+    with _launched_train(tmp_path, strategy, restart, epochs=5) as run:
+        run.wait_for(r"^Epoch 3/5$", 240)  # two epochs backed up
+        run.kill_task("worker", 1)
+        run.wait_for(r"^\[launch\] restart 1 of 1: starting every worker", 60)
+        resumed = run.wait_for(r"^Resumed from the backup after epoch (\d+)$", 240)
+        code = run.wait(300)
+        output = run.output
+    assert code == 0, output[-6000:]
+    assert "Restarted: this run goes on from its backup" in run.lines
+    assert 2 <= int(resumed[1]) < 5
+    run_dir = tmp_path / "runs" / "run"
+    assert _summary(run_dir)["epochs_run"] == 5
+    with open(run_dir / "history.json") as handle:
+        history = json.load(handle)
+    assert history["epoch"] == [1, 2, 3, 4, 5] and len(history["loss"]) == 5
+    files = os.listdir(run_dir)
+    assert "INTERRUPTED" not in files and "backup" not in files
+    assert "model.keras" in files
+    # The optimizer went on from the backup's state: every step of the run.
+    optimizer = keras.models.load_model(run_dir / "model.keras").optimizer
+    assert int(optimizer.iterations.numpy()) == 5 * STEPS
+
+
+@pytest.mark.slow
+def test_a_restarted_job_refuses_another_run_s_folder(tmp_path):
+    from tf_lars.distribute.cluster import pick_free_port
+
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("seed: 1\n")
+    env = _env()
+    env["TF_LARS_RESTART"] = "1"
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": [f"localhost:{pick_free_port()}"]},
+         "task": {"type": "worker", "index": 0}}
+    )  # fmt: skip
+    process = subprocess.run(
+        [sys.executable, "-m", "tf_lars.cli", "train",
+         "--set", "distribute.strategy=multi_worker",
+         "--set", f"output_dir={tmp_path / 'runs'}", "--set", "run_name=run"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert process.returncode == 2, process.stdout + process.stderr
+    ours = [line for line in process.stderr.splitlines() if "tf-lars" in line]
+    assert ours == [
+        f"tf-lars train: error: the run folder {run_dir} exists and holds another "
+        "run (its config.yaml is not this restarted job's); choose another "
+        "`run_name`, or give --overwrite to replace its files. Received: "
+        "run_name='run'"
+    ], process.stderr
+    assert os.listdir(run_dir) == ["config.yaml"]
+    assert (run_dir / "config.yaml").read_text() == "seed: 1\n"
+
+
+@pytest.mark.slow
+def test_a_lost_diloco_worker_leaves_a_note_in_the_run_folder(tmp_path):
+    with _launched_train(tmp_path, "diloco") as run:
+        run.wait_for(r"^Epoch 2/20$", 240)
+        run.kill_task("worker", 1)
+        code = run.wait(120)
+        output = run.output
+    assert code == 137, output[-6000:]
+    run_dir = tmp_path / "runs" / "run"
+    note = (run_dir / "INTERRUPTED").read_text()
+    done = int(re.search(r" after (\d+) of 20 epochs\.", note)[1])
+    assert 1 <= done < 20
+    # The error the next exchange raised once worker 1 was gone.
+    lost = re.match(r"Stopped \(a worker of the cluster was lost: (\w+)\)", note)
+    assert lost and lost[1] in ("UnavailableError", "AbortedError"), note
+    assert note == (
+        f"{lost[0]} after {done}{NOTE_END} TensorFlow's error is on the chief's "
+        "stderr (its log under the launcher).\n"
+    )
+    # The survivor says so on the terminal, in a line of its own.
+    said = [line for line in run.lines if line.startswith("worker 0: stopped, ")]
+    assert len(said) == 1, output[-6000:]
+    assert said[0].startswith("worker 0: stopped, a worker of the cluster was lost (")
+    assert said[0].endswith(
+        f"; the run folder {run_dir} keeps INTERRUPTED, backup, config.yaml, "
+        f"history.json ({done} of 20 epochs)"
+    )
 
 
 # ----------------------------------------------------- parameter_server

@@ -350,12 +350,37 @@ def test_sigterm_is_handled_as_ctrl_c_with_status_143(tmp_path):
     )
 
 
+# How long a test waits for a signal it sent to be handled: an event, never a
+# fixed time; on a quiet machine it takes microseconds.
+SIGNAL_DEADLINE_S = 30
+
+
 def _signal_self(signum):
-    # To this (the main) thread: `os.kill` to the process may land on one of
-    # TensorFlow's threads, whose C handler can run after the sleep on a
-    # loaded machine (seen once in a full run: the SIGINT not yet received).
+    """Sends `signum` to the main thread and returns once the handler of the
+    running `_signals_handled()` has recorded it, failing after
+    `SIGNAL_DEADLINE_S`. A handler that raises ends the wait with its
+    exception, as the signal would have ended the code it interrupted.
+
+    A fixed sleep after sending is no synchronization: a full run once saw the
+    SIGINT not yet received 10 ms after `pthread_kill`. (`os.kill` to the
+    process is worse: it may land on one of TensorFlow's threads.)
+    """
+    from tf_lars.cli import main
+
+    signals = main._SIGNALS
+    assert signals is not None, "_signal_self needs a `_signals_handled()` block"
+    before = len(signals.received)
     signal.pthread_kill(threading.main_thread().ident, signum)
-    time.sleep(0.01)  # Python runs the handler at the next bytecode
+    deadline = time.monotonic() + SIGNAL_DEADLINE_S
+    # Python runs the handler in the main thread between two bytecodes, or
+    # when a sleep there is interrupted.
+    while len(signals.received) == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{signal.Signals(signum).name} sent to the main thread was not "
+                f"handled within {SIGNAL_DEADLINE_S} s"
+            )
+        time.sleep(0.001)
 
 
 def test_a_signal_while_tensorflow_runs_is_raised_at_the_next_safe_point():
@@ -393,14 +418,20 @@ def test_a_signal_while_tensorflow_runs_is_raised_at_the_next_safe_point():
 
 
 def test_an_ignored_sigint_stays_ignored():
-    from tf_lars.cli.main import _signals_handled
+    from tf_lars.cli.main import Terminated, _signals_handled
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with _signals_handled() as signals:
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-            _signal_self(signal.SIGINT)
-            assert signals.received == []
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            # No event to wait for: a handled signal sent after it is the
+            # barrier. Python runs pending handlers in signal-number order
+            # (SIGINT 2 before SIGTERM 15), so once SIGTERM's has run, a SIGINT
+            # that reached a handler would have been recorded before it.
+            with pytest.raises(Terminated):
+                _signal_self(signal.SIGTERM)
+            assert signals.received == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -196,6 +196,77 @@ def test_ctrl_c_in_sweep_keeps_the_finished_trainings_and_their_table(tmp_path):
     assert "[10/10]" not in out
 
 
+@pytest.mark.parametrize(
+    "signum, name, when",
+    [(signal.SIGTERM, "SIGTERM", "printing"), (signal.SIGINT, "Ctrl-C", "summary")],
+)
+def test_a_signal_once_the_run_is_complete_exits_0(
+    signum, name, when, tmp_path, monkeypatch, run_cli
+):
+    # It arrives while the result is printed (after summary.json), or while
+    # summary.json is written: the folder is complete either way, and the
+    # run ended with 143/130 and no message, or an INTERRUPTED note in it.
+    from tf_lars.cli import train
+
+    printed, write_text = train._print_result, train.write_text
+
+    def print_result(*args):
+        if when == "printing":
+            signal.raise_signal(signum)  # its handler runs before this returns
+        printed(*args)
+
+    def write(folder, file_name, text):
+        if when == "summary" and file_name == "summary.json":
+            signal.raise_signal(signum)
+        write_text(folder, file_name, text)
+
+    monkeypatch.setattr(train, "_print_result", print_result)
+    monkeypatch.setattr(train, "write_text", write)
+    code, out, err = run_cli(
+        "train", "--set", f"output_dir={tmp_path}", "--set", "run_name=r",
+        *CHEAP["train"],
+    )  # fmt: skip
+    assert code == 0, err
+    assert err == (
+        f"tf-lars train: {name} arrived after the run finished; the run folder "
+        f"{tmp_path}/r is complete\n"
+    )
+    assert "Final test accuracy:" in out and f"Wrote {tmp_path}/r/: " in out
+    files = sorted(os.listdir(tmp_path / "r"))
+    assert "summary.json" in files and "INTERRUPTED" not in files
+
+
+def test_the_process_ends_without_collecting_its_garbage(tmp_path):
+    # Python's exit collected every object in a cycle (TensorFlow makes
+    # hundreds of thousands): 4 to 19 s after a Ctrl-C'd run's last line
+    # beside busy processes, measured (docs/guides/cli.md). The cycle made
+    # here after `main` returned is not collected: its `__del__` never runs.
+    probe = textwrap.dedent(
+        """
+        import os, sys
+        from tf_lars.cli.main import main
+        code = main(["train", "--set", "training.epochs=ten"])
+        class Cycle:
+            def __del__(self, write=os.write):
+                write(1, b"collected")
+        cycle = Cycle()
+        cycle.self = cycle
+        del cycle
+        sys.exit(code)
+        """
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=process_env(),
+        timeout=TIMEOUT,
+    )
+    assert process.returncode == 2, process.stderr
+    assert process.stdout == ""
+
+
 def test_a_training_shown_as_finished_is_kept_by_a_ctrl_c_at_once(monkeypatch):
     # The race the test above can hit: Ctrl-C arriving just as a progress
     # line is printed. The line's training is already in `results`.
@@ -329,6 +400,25 @@ def test_a_read_only_output_dir(
         f"Received: output_dir='{read_only}/runs'"
     )
     assert os.listdir(read_only) == []
+
+
+def test_a_run_name_longer_than_a_folder_name_is_named(
+    tmp_path, one_line_error, run_cli
+):
+    # `mkdir` failed with "File name too long", and the line blamed
+    # `output_dir`. "é" is 2 bytes in UTF-8: 150 of them are 300.
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    for run_name, size in (("a" * 300, 300), ("é" * 150, 300)):
+        code, _, err = run_cli(
+            "train", "--set", f"output_dir={tmp_path}/runs",
+            "--set", f"run_name={run_name}", *CHEAP["train"],
+        )  # fmt: skip
+        assert one_line_error(code, err) == (
+            f"tf-lars train: error: `run_name` must be at most {limit} bytes (in "
+            "UTF-8), the file system's limit on a folder name. Received: "
+            f"run_name='{run_name}' ({size} bytes)"
+        )
+    assert os.listdir(tmp_path) == []
 
 
 # ------------------------------------------- checked before TensorFlow

@@ -26,6 +26,7 @@ from tf_lars.cli.config import (
     default_config_path,
     load_config,
     optimizer_from_block,
+    parse_yaml,
 )
 from tf_lars.cli.main import main
 from tf_lars.cli.sweep import format_table, plan, summarize
@@ -406,8 +407,12 @@ BAD_CONFIG = [
      "must be"),
     (["--set", "optimizer.config.trust_ratio=weird"],
      "Received: trust_ratio='weird'"),
-    (["--set", "optimizer.class_name=Foo"], "`optimizer.class_name` must name a "
-     "Keras optimizer (e.g. LARS, SGD, Adam). Received: optimizer.class_name='Foo'"),
+    (["--set", "optimizer.class_name=Foo"], "`optimizer.class_name` must be an "
+     "optimizer's class name alone (no module path): LAMB, LARS (tf_lars), Adadelta, "),
+    # A module path: `tf_lars.__getattr__` raised ModuleNotFoundError for it.
+    (["--set", "optimizer={class_name: keras.optimizers.SGD}"], "(keras.optimizers), "
+     "or a name registered with Keras. Received: "
+     "optimizer.class_name='keras.optimizers.SGD'"),
     (["--set", "optimizer.class_name=SGD"], "Unknown config key "
      "`optimizer.config.trust_coefficient`: not an argument of SGD"),
     (["--set", "optimizer.class_name=LossScaleOptimizer"], "names a loss-scale "
@@ -451,6 +456,32 @@ def test_bad_config_file_contents(tmp_path, one_line_error, run_cli):
     listing.write_text("- 1\n- 2\n")
     code, _, err = run_cli("train", "--config", str(listing))
     assert "must hold a mapping of config keys" in one_line_error(code, err, "train")
+
+
+def test_a_key_given_twice_is_refused(tmp_path, one_line_error, run_cli):
+    # PyYAML keeps the later value silently; the run would train with it
+    # (for one cheap epoch, in the folder `o`).
+    cheap = ["--set", f"output_dir={tmp_path / 'o'}", "--set", "training.epochs=1",
+             "--set", "schedule.name=none", "--set", "training.verbose=0"]  # fmt: skip
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("optimizer:\n  config:\n    learning_rate: 0.1\n"
+                     "    momentum: 0.9\n    learning_rate: 5.0\n")  # fmt: skip
+    code, _, err = run_cli("train", "--config", str(twice), *cheap)
+    assert one_line_error(code, err) == (
+        f"tf-lars train: error: --config {twice}: refused: the YAML has the key "
+        "'learning_rate' twice in one mapping (lines 3 and 5); give each key once"
+    )
+    code, _, err = run_cli(
+        "train", "--set", "optimizer={class_name: SGD, class_name: Adam}", *cheap
+    )
+    assert one_line_error(code, err) == (
+        "tf-lars train: error: --set optimizer: refused: the YAML has the key "
+        "'class_name' twice in one mapping (line 1); give each key once"
+    )
+    # A merge key (`<<`) repeats the keys it merges: that is no repetition.
+    merged = "base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\n"
+    assert parse_yaml(merged, "m") == {"base": {"x": 1, "y": 2}, "d": {"x": 3, "y": 2}}
+    assert not (tmp_path / "o").exists()
 
 
 BAD_SWEEP = [
@@ -929,6 +960,33 @@ def test_missing_cli_extra_is_a_clean_error(tmp_path):
     )
 
 
+def test_another_backend_without_tensorflow_names_both_fixes(tmp_path):
+    # One line for both: after setting KERAS_BACKEND=tensorflow alone, the
+    # user met a second error asking for the extra.
+    probe = (
+        "import sys\n"
+        "sys.modules['tensorflow'] = None  # as without TensorFlow installed\n"
+        "from tf_lars.cli.main import main\n"
+        "sys.exit(main(['train']))\n"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=process_env(KERAS_BACKEND="jax"),
+        timeout=300,
+    )
+    assert process.returncode == 2
+    assert process.stderr == (
+        "tf-lars train: error: the command line needs Keras's TensorFlow backend, "
+        "and Keras is set to the 'jax' backend (KERAS_BACKEND or keras.json); "
+        'install the `cli` extra (pip install "tf_lars[cli]"; no module named '
+        "'tensorflow') and set KERAS_BACKEND=tensorflow\n"
+    )
+    assert os.listdir(tmp_path) == []
+
+
 def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
     # --tf-log sets no level: TensorFlow's own default prints its INFO lines.
     # (An optimizer block is checked once TensorFlow is imported.)
@@ -944,10 +1002,11 @@ def test_tf_log_leaves_tensorflow_logging_on(tmp_path):
     assert process.returncode == 2
     assert TF_LOG_LINE.search(process.stderr) is not None, process.stderr
     ours = [line for line in process.stderr.splitlines() if "tf-lars" in line]
-    assert ours == [
-        "tf-lars train: error: `optimizer.class_name` must name a Keras optimizer "
-        "(e.g. LARS, SGD, Adam). Received: optimizer.class_name='Foo'"
-    ]
+    assert len(ours) == 1 and ours[0].startswith(
+        "tf-lars train: error: `optimizer.class_name` must be an optimizer's class "
+        "name alone (no module path): LAMB, LARS (tf_lars), "
+    )
+    assert ours[0].endswith("Received: optimizer.class_name='Foo'")
 
 
 def test_optimizer_blocks_build_the_class_they_name():

@@ -518,8 +518,11 @@ def _guide_example():
 def test_the_guide_s_example_runs_as_pasted(capsys):
     exec(compile(_guide_example(), "low-communication.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("outer steps: 30, largest error: 0.00")
-    assert lines[1] == "workers agree: True"
+    assert lines[0].startswith("loss before training: ")
+    before, after = (float(line.split(": ")[1]) for line in lines[:2])
+    assert lines[1].startswith("loss after training: ") and after < before / 100
+    assert lines[2].startswith("outer steps: 30, largest error: 0.00")
+    assert lines[3] == "workers agree: True"
 
 
 def test_model_fit_takes_the_outer_step_every_h_steps_as_one_worker(tmp_path):

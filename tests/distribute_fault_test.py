@@ -63,6 +63,12 @@ def _check_terminal(output, log_dir):
     assert "Traceback" not in echoed
 
 
+def _worker_lines(lines, address, what):
+    """The chief's status lines about worker 1 (at `address`) saying `what`."""
+    start = f"[agn] worker 1 ({address}) {what}"
+    return [line for line in lines if line.startswith(start)]
+
+
 # AGN's own commit, and asynchronous DiLoCo (an outer Nesterov SGD on the
 # parameter servers: 0.2 per commit is AGN's 1 / period, with momentum).
 OUTER = {
@@ -88,8 +94,20 @@ def test_worker_killed_and_restarted_training_finishes(tmp_path, commit):
         output = run.output
         assert run.task("worker", 1)["pid"] != killed
         assert run.task("worker", 1)["restarts"] == 1
+        address = run.task("worker", 1)["address"]
 
     assert code == 0, output[-6000:]
+    # The chief names the lost worker and its return, each in a line of its
+    # own on the terminal (from the coordinator's failure and recovery).
+    lost = _worker_lines(run.lines, address, "lost (")
+    assert len(lost) == 1 and lost[0].endswith(
+        "); the other workers take its rounds"
+    ), output[-6000:]
+    rejoined = _worker_lines(run.lines, address, "rejoined")
+    assert rejoined == [
+        f"[agn] worker 1 ({address}) rejoined, with new worker-local state"
+    ], output[-6000:]
+    assert run.lines.index(lost[0]) < run.lines.index(rejoined[0])
     # The coordinator's own records of the lost worker are in the chief's log.
     assert (
         "/job:worker/replica:0/task:1"
@@ -120,8 +138,11 @@ def test_worker_that_never_returns_training_finishes_on_the_rest(tmp_path):
         )
         code = run.wait(240)
         output = run.output
+        address = run.task("worker", 1)["address"]
 
     assert code == 0, output[-6000:]
+    assert len(_worker_lines(run.lines, address, "lost (")) == 1, output[-6000:]
+    assert _worker_lines(run.lines, address, "rejoined") == []
     assert (
         "/job:worker/replica:0/task:1"
         in (tmp_path / "logs" / "chief-0.log").read_text()
@@ -163,6 +184,13 @@ def test_parameter_server_killed_then_rerun_resumes_from_checkpoint(tmp_path):
     )
     assert message, output[-6000:]
     assert message.group(1) == ps_address
+    # That line reaches the terminal on its own, from the chief's stdout
+    # (its `error:` line on stderr is in the log's last lines too).
+    status = "[agn] error: " + message.group(0).removeprefix("error: ")
+    assert status in run.lines, output[-6000:]
+    assert run.lines.index(status) < run.lines.index(
+        "[launch] chief exited with status 3; stopping the other tasks"
+    )
     _check_terminal(output, tmp_path / "logs1")
     last_checkpoint_commit = int(message.group(3))
     saves = [

@@ -42,9 +42,10 @@ def launcher_env():
 
 
 class LaunchedCluster:
-    """A launcher process whose output lines are collected as they come."""
+    """A launcher process whose output lines are collected as they come; it
+    runs `program` (default `EXAMPLE`) with `program_args`."""
 
-    def __init__(self, log_dir, launcher_args, program_args):
+    def __init__(self, log_dir, launcher_args, program_args, program=(EXAMPLE,)):
         self.log_dir = str(log_dir)
         command = [
             sys.executable,
@@ -54,7 +55,7 @@ class LaunchedCluster:
             self.log_dir,
             *launcher_args,
             "--",
-            EXAMPLE,
+            *program,
             *program_args,
         ]
         self.lines = []

@@ -105,7 +105,10 @@ def test_interrupt_stops_every_task(tmp_path):
         code = run.wait(60)
         output = run.output
     assert code == 128 + signal.SIGINT, output[-4000:]
-    assert "[launch] got SIGINT; stopping all tasks" in output
+    assert (
+        "[launch] got SIGINT; passing SIGTERM on to every task (SIGKILL 10s later)"
+        in output
+    )
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -132,6 +132,7 @@ def exact_count(strategy, coordinator, period, steps_per_worker, checkpoint_dir)
         checkpoint_dir,
         checkpoint_every=5,
         log=lines.append,
+        status=lines.append,  # the "checkpoint saved" lines
     )
     errors = []
     for kwargs in ({"steps_per_worker": steps_per_worker + 1}, {"rounds": 0}, {}):

@@ -8,6 +8,12 @@ its first line is the marker `# fragment: needs <what>` (the convention of
 docs/guides/development.md), and it only has to parse. Network connections
 are refused in every run (a `sitecustomize` on the path), so a block that
 downloads anything fails.
+
+A block that trains (calls `.fit(` or an optimizer's `.apply(`) must show that
+it learns: it prints `accuracy before training: 0.31` before training and
+`accuracy after training: 0.97` after (or `loss before training: ...`), and the
+printed numbers must improve by a margin, so a block that runs but does not
+learn fails too.
 """
 
 import concurrent.futures
@@ -138,6 +144,19 @@ CASES = [
     if _missing_module(body) is None
 ]
 _BODIES = dict(PYTHON)
+# A block that trains, and the lines it prints to show that it learned.
+_TRAINS = re.compile(r"\.fit\(|\.apply\(")
+_LEARNED = re.compile(
+    r"^(?P<metric>accuracy|loss) (?P<when>before|after) training: (?P<value>\S+)$",
+    re.MULTILINE,
+)
+#: What training must do to the printed metric: raise an accuracy by at least
+#: ACCURACY_GAIN (a chance-level example gains nothing), or cut a loss to at
+#: most LOSS_KEPT of its value before training.
+ACCURACY_GAIN = 0.25
+LOSS_KEPT = 0.5
+TRAINING = [label for label, body in RUNNABLE if _TRAINS.search(body)]
+LEARNING_CASES = [(label, backend) for label, backend in CASES if label in TRAINING]
 # The command-line guide's TrustRatioMonitor example, which must also learn.
 MONITOR = [
     label
@@ -178,7 +197,8 @@ def results(request, tmp_path_factory):
     selected = [
         (item.callspec.params["label"], item.callspec.params["backend"])
         for item in mine
-        if item.originalname == "test_block_runs_as_pasted"
+        if item.originalname
+        in ("test_block_runs_as_pasted", "test_the_training_example_learns")
     ]
     if any(item.originalname == "test_the_monitor_example_learns" for item in mine):
         selected += [(label, "tensorflow") for label in MONITOR]
@@ -233,6 +253,71 @@ def test_the_development_guide_states_the_marker():
     assert "tests/docs_examples_test.py" in guide
 
 
+@pytest.mark.parametrize("label", TRAINING)
+def test_every_training_example_prints_before_and_after(label):
+    """Read without running it: the block prints its metric before and after
+    training (`test_the_training_example_learns` runs it and compares)."""
+    body = _BODIES[label]
+    prints = re.findall(
+        r"""print\(f["'](accuracy|loss) (before|after) training: """, body
+    )
+    assert len(prints) == 2 and {when for _, when in prints} == {"before", "after"}, (
+        f'{label} trains: make it print f"accuracy before training: {{...:.2f}}" '
+        'before it trains and f"accuracy after training: {...:.2f}" after (or '
+        "`loss ...`), from data it makes learnable (labels a function of the inputs)"
+    )
+    assert prints[0][1] == "before" and prints[0][0] == prints[1][0], prints
+
+
+def _learned(out):
+    """The metric a block printed, and its values before and after training."""
+    found = {}
+    for match in _LEARNED.finditer(out):
+        key = (match["metric"], match["when"])
+        assert key not in found, f"printed twice: {match.group(0)!r}"
+        found[key] = float(match["value"])
+    metrics = {metric for metric, _ in found}
+    assert len(metrics) == 1 and len(found) == 2, (
+        "expected one `<accuracy|loss> before training: X` line and one "
+        f"`... after training: Y` line, found {found}:\n{out[-3000:]}"
+    )
+    (metric,) = metrics
+    return metric, found[(metric, "before")], found[(metric, "after")]
+
+
+def _improved(metric, before, after):
+    """Whether training moved the metric by the margin."""
+    if metric == "accuracy":
+        return after >= before + ACCURACY_GAIN
+    return after <= LOSS_KEPT * before
+
+
+def test_the_learned_lines_are_read_and_judged():
+    """The parser and the margins, on outputs made up here."""
+    out = (
+        "accuracy before training: 0.33\n"
+        "Epoch 1/2\n16/16 - 0s - accuracy: 0.8 - loss: 0.5\n"
+        "accuracy after training: 0.95\n"
+    )
+    assert _learned(out) == ("accuracy", 0.33, 0.95)
+    assert _learned("loss before training: 8.1\nloss after training: 0.09\n") == (
+        "loss", 8.1, 0.09,
+    )  # fmt: skip
+    for bad in (
+        "accuracy before training: 0.33\n",  # no after
+        "accuracy before training: 0.3\nloss after training: 0.1\n",  # two metrics
+        "loss before training: 1\nloss after training: 2\nloss after training: 3\n",
+    ):
+        with pytest.raises(AssertionError):
+            _learned(bad)
+    assert not _improved("accuracy", 0.33, 0.30)  # the issue's example: chance
+    assert not _improved("accuracy", 0.33, 0.56)
+    assert _improved("accuracy", 0.33, 0.59)
+    assert not _improved("loss", 8.0, 4.1)
+    assert _improved("loss", 8.0, 4.0)
+    assert not _improved("loss", float("nan"), float("nan"))
+
+
 def test_no_block_downloads_anything():
     found = [
         (label, m.group(0)) for label, body in PYTHON for m in _DOWNLOADS.finditer(body)
@@ -266,6 +351,29 @@ def test_block_runs_as_pasted(label, backend, results):
         f"{label} on {backend} exited with {done.returncode} (mark it as a fragment "
         f"with a first line `{MARKER}<what>` only if it cannot run on one machine):\n"
         f"{done.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("label", "backend"),
+    LEARNING_CASES,
+    ids=[f"{label}-{backend}" for label, backend in LEARNING_CASES],
+)
+def test_the_training_example_learns(label, backend, results):
+    """The metric the block prints after training beats the one before by the
+    margin: accuracy up by ACCURACY_GAIN, or loss down to LOSS_KEPT of it."""
+    done = results[(label, backend)]
+    assert done.returncode == 0, f"{label} on {backend} failed:\n{done.stderr[-3000:]}"
+    metric, before, after = _learned(done.stdout)
+    assert _improved(metric, before, after), (
+        f"{label} on {backend} does not learn: {metric} {before} before training, "
+        f"{after} after (needed: "
+        + (
+            f"at least {before + ACCURACY_GAIN:.2f})"
+            if metric == "accuracy"
+            else f"at most {LOSS_KEPT * before:.4g})"
+        )
     )
 
 

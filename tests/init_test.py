@@ -65,6 +65,18 @@ def test_all_is_sorted_and_every_name_is_registered():
     assert tf_lars.schedules.linear_scaled_learning_rate
 
 
+@pytest.mark.parametrize("name", ["x.y", "keras.optimizers.SGD", "lars.x", "", "a-b"])
+def test_a_name_that_is_no_identifier_is_an_attribute_error(name):
+    # A module `__getattr__` answers AttributeError, so `hasattr` and
+    # `getattr(tf_lars, name, None)` work (the command line looks class
+    # names up that way); `find_spec("tf_lars.x.y")` raised
+    # ModuleNotFoundError.
+    assert not hasattr(tf_lars, name)
+    with pytest.raises(AttributeError, match="has no attribute"):
+        getattr(tf_lars, name)
+    assert tf_lars.lars.__name__ == "tf_lars.lars"  # a submodule still
+
+
 def test_the_three_parts_import_only_downward():
     upward = []
     for path in sorted(PACKAGE.rglob("*.py")):

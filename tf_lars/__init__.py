@@ -71,7 +71,14 @@ if TYPE_CHECKING:  # What the loading below binds, spelled out.
 
 def __getattr__(name):
     module_name = _PUBLIC.get(name)
-    if module_name is None and importlib.util.find_spec(f"tf_lars.{name}"):
+    # Only an identifier can name a submodule: `find_spec("tf_lars.x.y")`
+    # would import `tf_lars.x`, and raise ModuleNotFoundError where a module
+    # `__getattr__` raises AttributeError (`hasattr(tf_lars, "x.y")`).
+    if (
+        module_name is None
+        and name.isidentifier()
+        and importlib.util.find_spec(f"tf_lars.{name}")
+    ):
         # A submodule (`tf_lars.lars.ALL_1D`): bound on first use, as an
         # eager import of the package used to bind it.
         module_name = f"tf_lars.{name}"

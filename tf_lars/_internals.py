@@ -15,9 +15,10 @@ Index (the section comments below carry the same numbers):
 1. `maybe_merge_call`, `strategy_supports_no_merge_call`: tf.distribute's
    merge-call switches (LARS, the loss scale).
 2. `no_automatic_dependency_tracking`: untracked attributes (AGN).
-3. `coordinator_of`, `cluster_resolver_of` and the `PerWorkerVariable`
-   accessors: the parameter-server strategy's coordinator and the
-   worker-local variables of `tf_lars.distribute.ps_agn` (AGN).
+3. `coordinator_of`, `cluster_resolver_of`, `watch_workers` and the
+   `PerWorkerVariable` accessors: the parameter-server strategy's
+   coordinator, its lost and recovered workers, and the worker-local
+   variables of `tf_lars.distribute.ps_agn` (AGN).
 4. `replace_symbolic_build`, `loss_tracker_of`, `set_loss_tracker`: what
    `tf_lars.distribute.enable_multi_worker_fit` changes on a model.
 5. `in_xla_context`: whether the step being traced is compiled by XLA.
@@ -336,6 +337,36 @@ def per_worker_remote_values(variable):
     """
     per_worker = private_member(variable, "_per_worker_vars", _WORKER_LOCAL_FEATURE)
     return list(private_member(per_worker, "_values", _WORKER_LOCAL_FEATURE))
+
+
+def watch_workers(coordinator, lost, recovered):
+    """Calls `lost(index, error)` when `coordinator` takes worker `index` for
+    lost, and `recovered(index)` once it has it back.
+
+    `ClusterCoordinator` tells that only in its log records. Its workers'
+    `_on_closure_failure(closure, error)`, `_on_resource_closure_failure(
+    error)` and `_on_worker_recovery()` (TensorFlow 2.21's `Worker`) are
+    where it acts on both; they are wrapped here, on these instances only.
+    """
+    feature = "the parameter-server trainer's worker status lines"
+    cluster = private_member(coordinator, "_cluster", feature)
+    for worker in private_member(cluster, "workers", feature):
+        index = private_member(worker, "worker_index", feature)
+        for name, report in (
+            ("_on_closure_failure", lambda *a, i=index: lost(i, a[-1])),
+            ("_on_resource_closure_failure", lambda *a, i=index: lost(i, a[-1])),
+            ("_on_worker_recovery", lambda i=index: recovered(i)),
+        ):
+            method = private_member(worker, name, feature)
+            setattr(worker, name, _reported(method, report))
+
+
+def _reported(method, report):
+    def reported(*args):
+        report(*args)
+        return method(*args)
+
+    return reported
 
 
 def set_unique_id(variable, unique_id):

@@ -73,8 +73,11 @@ MAX_CONFIG_DEPTH = 64
 _TOO_DEEP = f"nested more than {MAX_CONFIG_DEPTH} levels deep"
 
 
-class _TooLarge(ValueError):
+class _Refused(ValueError):
     pass
+
+
+_MERGE = "tag:yaml.org,2002:merge"  # `<<: *base`, which may repeat a key of base
 
 
 def _expanded_size(node, depth, sizes):
@@ -85,14 +88,14 @@ def _expanded_size(node, depth, sizes):
     refused as too deep.
     """
     if depth > MAX_CONFIG_DEPTH:
-        raise _TooLarge(_TOO_DEEP)
+        raise _Refused(_TOO_DEEP)
     if id(node) not in sizes:
         children = node.value if isinstance(node, yaml.SequenceNode) else []
         if isinstance(node, yaml.MappingNode):
             children = [part for pair in node.value for part in pair]
         size = 1 + sum(_expanded_size(child, depth + 1, sizes) for child in children)
         if size > MAX_CONFIG_VALUES:
-            raise _TooLarge(
+            raise _Refused(
                 f"expands to more than {MAX_CONFIG_VALUES} values (aliases "
                 "repeated inside aliases); a config holds a few hundred"
             )
@@ -101,7 +104,8 @@ def _expanded_size(node, depth, sizes):
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader within the bounds above, `1e-4` read as a float."""
+    """PyYAML's safe loader within the bounds above, `1e-4` read as a float,
+    a key given twice in one mapping refused."""
 
     _depth = 0
 
@@ -110,10 +114,30 @@ class _Loader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_CONFIG_DEPTH:
-                raise _TooLarge(_TOO_DEEP)
+                raise _Refused(_TOO_DEEP)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def compose_mapping_node(self, anchor):
+        # PyYAML keeps the later of two equal keys silently: a config that
+        # sets `learning_rate` twice would train with the one below.
+        node = super().compose_mapping_node(anchor)
+        lines = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
+                value = self.construct_object(key)
+                line = key.start_mark.line + 1
+                if value in lines:
+                    at = f"lines {lines[value]} and {line}"
+                    if lines[value] == line:
+                        at = f"line {line}"
+                    raise _Refused(
+                        f"has the key {value!r} twice in one mapping ({at}); give "
+                        "each key once"
+                    )
+                lines[value] = line
+        return node
 
     def compose_document(self):
         node = super().compose_document()
@@ -150,14 +174,15 @@ def parse_yaml(text, source):
 
     Raises:
         ConfigError: the text is not valid YAML, nests or expands beyond the
-            bounds above, or holds a value Python cannot read (an int of more
-            than `sys.get_int_max_str_digits()` digits, a date out of range).
+            bounds above, gives a key twice in one mapping, or holds a value
+            Python cannot read (an int of more than
+            `sys.get_int_max_str_digits()` digits, a date out of range).
     """
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {_one_line(error)}") from None
-    except _TooLarge as error:
+    except _Refused as error:
         raise ConfigError(f"{source}: refused: the YAML {error}") from None
     except RecursionError:  # PyYAML composes nested values recursively
         raise ConfigError(f"{source}: refused: the YAML {_TOO_DEEP}") from None
@@ -511,7 +536,8 @@ class LowcommConfig(_Common):
 
     problem: _choice("synthetic", "data")
     training: _block(LowcommTraining)
-    workers: _list(_int(1, 64))
+    # One worker exchanges nothing: there is no communication to compare.
+    workers: _list(_int(2, 64))
     sync_every: _list(_int(1))
     inner_optimizer: _OPTIMIZER
     outer_optimizer: _OPTIMIZER
@@ -742,8 +768,32 @@ def _optimizer_class(block, key):
             )
         raise ConfigError(f"`{key}` names an optimizer wrapper: {advice}. {shown}", key)
     raise ConfigError(
-        f"`{key}` must name a Keras optimizer (e.g. LARS, SGD, Adam). {shown}", key
+        f"`{key}` must be an optimizer's class name alone (no module path): "
+        f"{_accepted_names(tf_lars)} (tf_lars), {_accepted_names(keras.optimizers)} "
+        f"(keras.optimizers), or a name registered with Keras. {shown}",
+        key,
     )
+
+
+def _accepted_names(module):
+    """The optimizer classes of `module` a block can build, as "A, B, C":
+    every constructor argument has a default (no wrapper, no base class)."""
+    import keras
+
+    names = []
+    for name in getattr(module, "__all__", None) or dir(module):
+        cls = getattr(module, name)
+        if (
+            inspect.isclass(cls)
+            and issubclass(cls, keras.optimizers.Optimizer)
+            and cls is not keras.optimizers.Optimizer
+            and all(
+                p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                for p in inspect.signature(cls).parameters.values()
+            )
+        ):
+            names.append(name)
+    return ", ".join(sorted(names))
 
 
 def constructor_parameters(cls):

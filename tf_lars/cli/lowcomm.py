@@ -17,6 +17,9 @@ method takes the same number of inner steps per worker, on the same batches:
   pseudo-gradient `pulled - local`, at the outer learning rate / M (a round
   of M commits then moves the center as far as one synchronous outer step).
 
+Where H does not divide the steps, the last, shorter round is exchanged
+too, so that every inner step reaches the evaluated model.
+
 Bytes are counted per worker from the tensors exchanged: a synchronous
 exchange sends the worker's payload and receives the other M - 1 workers'
 (the all-gather of `tf_lars.distribute.synchronize`); an asynchronous round
@@ -52,10 +55,60 @@ def _model(input_shape, num_classes, model_config, seed):
     return build_model(model_config, input_shape, num_classes)
 
 
-def _optimizer(block, key):
-    from tf_lars.cli.config import optimizer_from_block
+def _optimizer(block, key, divide_rate_by=1):
+    from tf_lars.cli.config import ConfigError, build_optimizer, optimizer_spec
 
-    return optimizer_from_block(block, key=key)
+    spec = optimizer_spec(block, key)
+    if divide_rate_by == 1:
+        return build_optimizer(spec)
+    if not isinstance(spec.learning_rate, int | float):
+        raise ConfigError(
+            f"`{key}.config.learning_rate` must be a number: it is divided by M. "
+            f"Received: {key}.config.learning_rate={spec.learning_rate!r}",
+            key=f"{key}.config.learning_rate",
+        )
+    return build_optimizer(spec, spec.learning_rate / divide_rate_by)
+
+
+def optimizers(method, workers, sync_every, settings, copies=None):
+    """What `run_one` trains `method` with, built (`copies` worker
+    optimizers, default `workers`): data parallel's one optimizer; DiLoCo's
+    workers; or the workers' inner optimizers and then the center's (AGN's:
+    the inner one; async DiLoCo's: `async_outer` at its learning rate / M).
+
+    Raises:
+        ConfigError: a block that cannot be built, or that DiLoCo refuses.
+    """
+    from tf_lars.cli.config import ConfigError
+
+    copies = workers if copies is None else copies
+    inner = lambda: _optimizer(settings["inner"], "inner_optimizer")  # noqa: E731
+    if method == "dp":
+        return [inner()]
+    if method == "diloco":
+        try:
+            return [
+                DiLoCo(
+                    inner(),
+                    _optimizer(settings["outer"], "outer_optimizer"),
+                    sync_every=sync_every,
+                    exchange="external",  # `simulate_sync` takes the outer steps
+                )
+                for _ in range(copies)
+            ]
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(
+                f"the run {LABELS[method]}, M={workers}, H={sync_every} is refused, "
+                f"so no run started: {' '.join(str(error).split())}",
+                key="outer_optimizer",
+            ) from None
+    if method == "agn":
+        center = inner()
+    else:
+        center = _optimizer(settings["async_outer"], "async_outer_optimizer", workers)
+    return [inner() for _ in range(copies)] + [center]
 
 
 def _batches(data, workers, settings):
@@ -122,16 +175,11 @@ def run_one(method, data, workers, sync_every, settings):
     """
     sim = _Simulation(data, workers, settings)
     variables, payload = sim.variables, sim.payload
-    inner = lambda: _optimizer(settings["inner"], "inner_optimizer")  # noqa: E731
-    outer_config, key = settings["outer"], "outer_optimizer"
-    if method == "async_diloco":
-        outer_config, key = settings["async_outer"], "async_outer_optimizer"
-        outer_config = {**outer_config, "config": dict(outer_config["config"])}
-        outer_config["config"]["learning_rate"] /= workers
-    outer = lambda: _optimizer(outer_config, key)  # noqa: E731
+    built = optimizers(method, workers, sync_every, settings)
     batches = _batches(data, workers, settings)
     if method == "dp":
-        optimizer = inner()
+        sync_every = 1
+        (optimizer,) = built
         optimizer.build(variables[0])
 
         @tf.function
@@ -143,29 +191,28 @@ def run_one(method, data, workers, sync_every, settings):
                 for target, value in zip(others, variables[0], strict=True):
                     target.assign(value)
 
+        def exchange():
+            pass  # inside `step`: the mean gradient
+
     elif method == "diloco":
-        optimizers = [
-            DiLoCo(inner(), outer(), sync_every=sync_every) for _ in sim.models
-        ]
-        for optimizer, vs in zip(optimizers, variables, strict=True):
+        for optimizer, vs in zip(built, variables, strict=True):
             optimizer.build(vs)
 
         @tf.function
         def step(x, y):
             for optimizer, grads, vs in zip(
-                optimizers, sim.gradients(x, y), variables, strict=True
+                built, sim.gradients(x, y), variables, strict=True
             ):
                 optimizer.apply(grads, vs)
 
-        sync = tf.function(lambda: simulate_sync(optimizers, variables))
+        exchange = tf.function(lambda: simulate_sync(built, variables))
 
     else:
         center = [tf.Variable(v) for v in variables[0]]
-        local = [inner() for _ in sim.models]
+        *local, center_optimizer = built
         for optimizer, vs in zip(local, variables, strict=True):
             optimizer.build(vs)
         accumulators = [[tf.Variable(tf.zeros_like(v)) for v in vs] for vs in variables]
-        center_optimizer = inner() if method == "agn" else outer()
         center_optimizer.build(center)
 
         @tf.function
@@ -178,10 +225,12 @@ def run_one(method, data, workers, sync_every, settings):
                     a.assign_add(g)
 
         @tf.function
-        def commit_all():
+        def exchange():
             pulled = [tf.convert_to_tensor(c) for c in center]
             # The commits reach the center one after another, each computed
-            # from the center as it was pulled at the round's start.
+            # from the center as it was pulled at the round's start. AGN
+            # divides by H in a last, shorter round too, as in every round
+            # (with inner SGD its commit stays async DiLoCo's at rate M / H).
             for vs, acc in zip(variables, accumulators, strict=True):
                 if method == "agn":
                     grads = normalized(acc, sync_every)
@@ -197,20 +246,19 @@ def run_one(method, data, workers, sync_every, settings):
     start = time.perf_counter()
     for number, (x, y) in enumerate(batches, start=1):
         step(x, y)
-        if method == "dp":
+        if number % sync_every == 0:
+            exchange()
             exchanges += 1
-        elif method == "diloco":
-            if optimizers[0].due_fragments():
-                sync()
-                exchanges += 1
-        elif number % sync_every == 0:
-            commit_all()
-            exchanges += 1
+    if settings["steps"] % sync_every:
+        # The last round, shorter than H: exchanged, so that its steps reach
+        # the evaluated model as every other round's do.
+        exchange()
+        exchanges += 1
     wall = time.perf_counter() - start
     if method == "dp":
         final, received = variables[0], payload * (workers - 1) * exchanges
     elif method == "diloco":
-        final = optimizers[0].global_variables
+        final = built[0].global_variables
         received = payload * (workers - 1) * exchanges
     else:
         final, received = center, payload * exchanges  # one pull per round
@@ -262,11 +310,12 @@ def format_table(rows):
     for r in rows:
         base = dp.get(r["workers"])
         total = r["bytes_sent"] + r["bytes_received"]
-        if base is None:
-            versus = ratio = "-"
-        else:
+        versus = ratio = "-"  # no data parallel run to compare with
+        if base is not None:
             versus = f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
-            ratio = f"{(base['bytes_sent'] + base['bytes_received']) / total:.0f}x"
+            base_total = base["bytes_sent"] + base["bytes_received"]
+            if total and base_total:  # no ratio of nothing
+                ratio = f"{base_total / total:.0f}x"
         lines.append(
             f"| {r['label']} | {r['workers']} | {r['sync_every']} | "
             f"{100 * r['test_accuracy']:.2f} | {versus} | {total:,} | {ratio} | "
@@ -316,29 +365,34 @@ def run(config, data, folder, overwrite=False, out=print):
     from tf_lars.cli.main import deferred
     from tf_lars.cli.plots import plot_communication
 
-    for key in ("inner_optimizer", "outer_optimizer", "async_outer_optimizer"):
-        _optimizer(config[key], key)  # a bad block: one line, before any run
-    preflight.open_run_dir(folder, "lowcomm")
-    preflight.write_text(folder, "config.yaml", dump_config(config))
     settings = _settings(config)
     runs, rows = plan(config), []
+    for method, workers, sync_every in runs:
+        # What each run builds, built now: a block that one run refuses is one
+        # line before any run, not a traceback after the others.
+        optimizers(method, workers, sync_every, settings, copies=1)
+    preflight.open_run_dir(folder, "lowcomm")
+    preflight.write_text(folder, "config.yaml", dump_config(config))
     started = time.perf_counter()
     for number, (method, workers, sync_every) in enumerate(runs, start=1):
         try:
             with deferred():
                 row, _ = run_one(method, data, workers, sync_every, settings)
+            rows.append(row)
+            # Kept as each run finishes: a later failure loses none of them.
+            _write_results(folder, data, rows, runs_planned=len(runs))
+            out(
+                f"[{number}/{len(runs)}] {row['label']}, M={workers}, "
+                f"H={row['sync_every']}: test accuracy "
+                f"{100 * row['test_accuracy']:.2f}%, "
+                f"{row['bytes_sent'] + row['bytes_received']:,} bytes per worker, "
+                f"{row['wall_seconds']:.1f}s",
+                flush=True,
+            )
         except KeyboardInterrupt as interrupt:
             raise _interrupted(folder, data, rows, len(runs), interrupt) from None
-        rows.append(row)
-        out(
-            f"[{number}/{len(runs)}] {row['label']}, M={workers}, "
-            f"H={row['sync_every']}: test accuracy {100 * row['test_accuracy']:.2f}%, "
-            f"{row['bytes_sent'] + row['bytes_received']:,} bytes per worker, "
-            f"{row['wall_seconds']:.1f}s",
-            flush=True,
-        )
     wall = time.perf_counter() - started
-    table = _write_results(folder, data, rows, wall)
+    table = _write_results(folder, data, rows, wall, runs_planned=len(runs))
     plot_communication(rows, os.path.join(folder, "lowcomm.png"))
     out(
         f"\nTest accuracy after {settings['steps']} inner steps per worker, "

@@ -38,8 +38,11 @@ at once; each command imports its module when it runs.
 """
 
 import argparse
+import atexit
 import contextlib
+import gc
 import importlib
+import importlib.util
 import signal
 import sys
 import threading
@@ -141,15 +144,20 @@ class _Signals:
     out of a step that does not end); later SIGTERMs are counted and not
     raised, so the first one's handling (the INTERRUPTED note) is not cut
     short: Kubernetes and Slurm send SIGTERM to preempt a job, SIGKILL after.
+    Once the run is complete (`run_finished`) no signal is raised: stopping
+    then would only report a finished run as interrupted.
     """
 
     def __init__(self):
         self.received = []
         self.deferring = 0
         self.raised = False
+        self.finished = None  # the complete run's folder (`run_finished`)
 
     def handle(self, signum, frame):
         self.received.append(signum)
+        if self.finished is not None:
+            return
         if len(self.received) == 1:
             if not self.deferring:
                 self.raise_pending()
@@ -157,7 +165,7 @@ class _Signals:
             raise KeyboardInterrupt()
 
     def raise_pending(self):
-        if self.received and not self.raised:
+        if self.received and not self.raised and self.finished is None:
             self.raised = True
             raise Terminated() if self.terminated else KeyboardInterrupt()
 
@@ -169,14 +177,39 @@ class _Signals:
 _SIGNALS = None  # the `_Signals` of the `main` running in the main thread
 
 
-def raise_pending():
+def pending_signal():
+    """The signal `deferred()` holds back and has not raised yet, or None."""
+    if _SIGNALS is None or _SIGNALS.raised or not _SIGNALS.received:
+        return None
+    return _SIGNALS.received[0]
+
+
+def raise_pending(signum=None):
     """Raises the interrupt a signal left pending inside `deferred()`, if any.
 
     Called from a Keras callback at every batch and epoch end: a point where
     TensorFlow holds no half-built state. A no-op outside `main`.
+
+    Args:
+        signum: a signal another worker of the cluster received (None: none),
+            raised here as if this process had received it, so that every
+            worker stops at the same step (`tf_lars.cli.train`).
     """
     if _SIGNALS is not None:
+        if signum and not _SIGNALS.received:
+            _SIGNALS.received.append(signum)
         _SIGNALS.raise_pending()
+
+
+def run_finished(folder):
+    """Marks the command's run complete: `folder` holds every file of it.
+
+    A signal from then on (or held back by `deferred()` until then) stops
+    nothing: `main` says in one line that it came after the run finished,
+    and exits 0. A no-op outside `main`.
+    """
+    if _SIGNALS is not None:
+        _SIGNALS.finished = folder
 
 
 @contextlib.contextmanager
@@ -222,6 +255,19 @@ def _signals_handled():
             signal.signal(name, handler)
 
 
+def _no_collection_at_exit():
+    """Leaves the objects of the ending process to the operating system.
+
+    Python's exit collects every object in a reference cycle, and TensorFlow
+    and Keras make hundreds of thousands: 0.9 s after the last line of a
+    Ctrl-C'd `train` on an idle machine, 10 to 19 s beside two busy
+    processes on 2 cores (docs/guides/cli.md). Every file of the run is
+    closed by then, and the memory is freed with the process.
+    """
+    gc.disable()
+    gc.freeze()
+
+
 def main(argv=None):
     """Runs the `tf-lars` command line.
 
@@ -234,7 +280,8 @@ def main(argv=None):
         data or output folder, a Keras backend other than TensorFlow, or a
         file of the run folder that cannot be written (a full disk), each
         with a one-line message on stderr; 130 after a Ctrl-C, 143 after a
-        SIGTERM.
+        SIGTERM (0, and a line saying so, for one that came once the run
+        was complete: `run_finished`).
 
     Examples:
         >>> from tf_lars.cli.main import main
@@ -251,16 +298,28 @@ def main(argv=None):
 
     backend = _keras_backend()
     if backend != "tensorflow":
+        # Both fixes in one line: the extra's check comes only after this one.
+        missing = [n for n in _CLI_EXTRA if importlib.util.find_spec(n) is None]
+        extra = (
+            'install the `cli` extra (pip install "tf_lars[cli]"; no module named '
+            f"{missing[0]!r}) and "
+            if missing
+            else ""
+        )
         return _error(
             arguments.command,
             "the command line needs Keras's TensorFlow backend, and Keras is set "
-            f"to the {backend!r} backend (KERAS_BACKEND or keras.json); set "
-            "KERAS_BACKEND=tensorflow",
+            f"to the {backend!r} backend (KERAS_BACKEND or keras.json); "
+            f"{extra}set KERAS_BACKEND=tensorflow",
         )
+    # Run at exit after TensorFlow's own handlers (registered later, run
+    # first); once however often `main` runs in one process.
+    atexit.unregister(_no_collection_at_exit)
+    atexit.register(_no_collection_at_exit)
     with _signals_handled() as signals:
         try:
             set_tensorflow_log_level(arguments.tf_log)
-            return _run(arguments)
+            code = _run(arguments)
         except KeyboardInterrupt as interrupt:
             kept = str(interrupt)
             print(
@@ -279,6 +338,15 @@ def main(argv=None):
                 'the command line needs the `cli` extra: pip install "tf_lars[cli]" '
                 f"(no module named {error.name!r})",
             )
+        if signals.received and signals.finished is not None:
+            print(
+                f"tf-lars {arguments.command}: "
+                f"{'SIGTERM' if signals.terminated else 'Ctrl-C'} arrived after the "
+                f"run finished; the run folder {signals.finished} is complete",
+                file=sys.stderr,
+                flush=True,
+            )
+        return code
 
 
 def _run(arguments):

@@ -27,7 +27,7 @@ RUN_FILES = {
     "train": (
         "config.yaml", "history.json", "summary.json", "model.keras",
         "curves.png", "learning_rate.png", "trust_ratio.png", "trust_ratios.npz",
-        "tensorboard", "INTERRUPTED",
+        "tensorboard", "INTERRUPTED", "backup",
     ),
     "sweep": (
         "config.yaml", "results.json", "table.md", "sweep.png", "INTERRUPTED",
@@ -139,8 +139,10 @@ def check_model_input(model_config, input_shape):
         )
 
 
-def _check_output_dir(output_dir):
-    """Refuses an `output_dir` that cannot hold a run folder."""
+def _check_output_dir(config):
+    """Refuses an `output_dir` that cannot hold a run folder, and a
+    `run_name` longer than its file system's names."""
+    output_dir, run_name = config["output_dir"], config["run_name"]
     shown = f"Received: output_dir={output_dir!r}"
     path = os.path.abspath(output_dir)
     existing = path
@@ -153,6 +155,20 @@ def _check_output_dir(output_dir):
         raise ConfigError(
             f"`output_dir`: cannot write in {existing} (permission denied or a "
             f"read-only file system). {shown}"
+        )
+    # Too long, `mkdir` fails with ENAMETOOLONG, which names no part of the
+    # path: the run folder is the one name the user chose here.
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255  # Linux's and macOS's file systems
+    size = len(os.fsencode(run_name or ""))
+    if size > limit:
+        raise ConfigError(
+            f"`run_name` must be at most {limit} bytes (in UTF-8), the file "
+            f"system's limit on a folder name. Received: run_name={run_name!r} "
+            f"({size} bytes)",
+            key="run_name",
         )
 
 
@@ -167,7 +183,7 @@ def choose_run_dir(config, command, overwrite=False):
         ConfigError: an `output_dir` that is a file, under a file or not
             writable; an existing named run folder without `overwrite`.
     """
-    _check_output_dir(config["output_dir"])
+    _check_output_dir(config)
     folder = run_dir(config, command)
     if not os.path.lexists(folder):
         return folder
@@ -265,7 +281,7 @@ def claim_run_dir(config, command, overwrite=False):
         ConfigError: what `choose_run_dir` refuses; a folder another run
             holds; a folder that cannot be created.
     """
-    _check_output_dir(config["output_dir"])
+    _check_output_dir(config)
     run_name = config["run_name"]
     created = []
     folder = run_dir(config, command)

@@ -37,7 +37,7 @@ from tf_lars.cli.config import (
     dump_config,
     optimizer_spec,
 )
-from tf_lars.cli.main import deferred, raise_pending
+from tf_lars.cli.main import deferred, pending_signal, raise_pending, run_finished
 from tf_lars.cli.preflight import (
     INTERRUPTED_NOTE,
     check_distribute,
@@ -50,6 +50,7 @@ from tf_lars.cli.preflight import (
     write_file,
     write_text,
 )
+from tf_lars.distribute.launch import RESTART_ENV
 from tf_lars.schedules import WarmupPolynomialDecay, linear_scaled_learning_rate
 
 
@@ -429,15 +430,64 @@ class _RaiseInterrupts(keras.callbacks.Callback):
     Inside `fit_once` the command line holds signals back
     (`tf_lars.cli.main.deferred`); this is the safe point where they are
     raised, out of `fit` as from any callback.
+
+    On a cluster (`cluster`: `multi_worker`'s strategy or `diloco`'s
+    exchange) a worker that stopped alone would leave the others waiting in
+    their next collective, so the workers agree first: every `every`
+    batches and at each epoch end one all-reduce of each worker's pending
+    signal (two integers), and a signal any worker holds is raised on every
+    worker at that step. `multi_worker` agrees at every step (it all-reduces
+    the gradients at every step anyway); `diloco` once per `sync_every`
+    steps, so that its workers still meet only about once per outer step.
+    Validation batches are not checked on a cluster (the epoch end is).
     """
 
-    def on_train_batch_end(self, batch, logs=None):
-        raise_pending()
+    def __init__(self, cluster=None, every=1):
+        super().__init__()
+        self.every, self._batches = every, 0
+        self.agree = None if cluster is None else _signal_agreement(cluster)
 
-    on_test_batch_end = on_predict_batch_end = on_train_batch_end
+    def _check(self):
+        if self.agree is None:
+            raise_pending()
+        else:
+            # Never this worker's signal alone: one that came after the
+            # all-reduce read it waits for the next agreement.
+            signum = self.agree(pending_signal())
+            if signum:
+                raise_pending(signum)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._batches % self.every == 0:
+            self._check()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.agree is None:
+            raise_pending()
+
+    on_predict_batch_end = on_test_batch_end
 
     def on_epoch_end(self, epoch, logs=None):
-        raise_pending()
+        self._check()
+
+
+def _signal_agreement(strategy):
+    """`agree(signum)`: the signal any worker of `strategy`'s cluster holds
+    (SIGTERM first, then SIGINT), given this worker's (or None); the same on
+    every worker, which must all call it at the same step."""
+    import signal
+
+    @tf.function
+    def summed(flags):
+        return strategy.reduce("SUM", strategy.run(lambda: flags), axis=None)
+
+    def agree(signum):
+        flags = [int(signum == signal.SIGTERM), int(signum == signal.SIGINT)]
+        term, interrupt = summed(tf.constant(flags, tf.int64)).numpy()
+        return signal.SIGTERM if term else signal.SIGINT if interrupt else None
+
+    return agree
 
 
 @contextlib.contextmanager
@@ -530,7 +580,9 @@ def _compile(trial, jit_compile, strategy):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
             jit_compile=jit_compile,
-            auto_scale_loss=trial["loss_scaled"],
+            # The loss scale, if any, is the `loss_scale` block's, already
+            # in the optimizer (inside DiLoCo's): never a second one.
+            auto_scale_loss=False,
         )
     if strategy is not None:
         from tf_lars.distribute import enable_multi_worker_fit
@@ -559,7 +611,8 @@ def fit_once(
         batch_size: int, the global batch.
         epochs: int.
         jit_compile: "auto" or bool, for `model.compile`.
-        callbacks: extra Keras callbacks.
+        callbacks: extra Keras callbacks (a `_RaiseInterrupts` among them,
+            last, replaces the one-process one).
         verbose: `model.fit` verbosity.
         validation: evaluate on the test set after every epoch.
         strategy: the `tf.distribute.Strategy` of `build_trial`, or `None`.
@@ -576,6 +629,8 @@ def fit_once(
             data, trial, batch_size, epochs, strategy
         )
         stopper = _StopOnNonFinite()
+        if not any(isinstance(c, _RaiseInterrupts) for c in callbacks):
+            callbacks = [*callbacks, _RaiseInterrupts()]  # else a cluster's
         started = time.perf_counter()
         history = model.fit(
             batches,
@@ -583,7 +638,7 @@ def fit_once(
             steps_per_epoch=steps,
             validation_data=validation_data if validation else None,
             validation_batch_size=test_data.get("batch_size"),
-            callbacks=[stopper, *callbacks, _RaiseInterrupts()],
+            callbacks=[stopper, *callbacks],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself, every epoch
         )
@@ -708,9 +763,18 @@ class _HistoryWriter(keras.callbacks.History):
     """Keras's `History` (which `fit` then returns), also written to
     `history.json` at every epoch end, so a Ctrl-C keeps it."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, earlier=None):
         super().__init__()
-        self.folder = folder
+        self.folder, self.earlier = folder, earlier
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # A resumed `fit` starts at its backup's epoch: the history of the
+        # epochs before it is the earlier start's.
+        if self.earlier is not None and epoch and not self.epoch:
+            self.history = {k: v[:epoch] for k, v in self.earlier.items()}
+            self.epoch = list(range(epoch))
+            print(f"Resumed from the backup after epoch {epoch}", flush=True)
+        self.earlier = None
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
@@ -745,22 +809,31 @@ def _resolved_config(config, optimizer):
     }
 
 
-def _interrupted(folder, epochs_done, epochs, interrupt=None):
+def _interrupted(folder, epochs_done, epochs, interrupt=None, lost=None):
     """Leaves a note in the run folder; the exception `main` reports.
 
     `interrupt` is the `KeyboardInterrupt` caught: Ctrl-C's, or
-    `tf_lars.cli.main.Terminated` for a SIGTERM.
+    `tf_lars.cli.main.Terminated` for a SIGTERM; `lost` instead, the error a
+    collective raised when a worker of the cluster was lost.
     """
     from tf_lars.cli.preflight import Interrupted
 
     if folder is None:
         return Interrupted("")
+    if lost is None:
+        stopped = f"Interrupted ({interruption_name(interrupt)})"
+    else:
+        stopped = f"Stopped (a worker of the cluster was lost: {type(lost).__name__})"
     note = (
-        f"Interrupted ({interruption_name(interrupt)}) after {epochs_done} of "
-        f"{epochs} epochs. "
+        f"{stopped} after {epochs_done} of {epochs} epochs. "
         "config.yaml and history.json hold what finished; the model, summary "
-        "and plots were not written.\n"
+        "and plots were not written."
     )
+    if lost is not None:
+        note += (
+            " TensorFlow's error is on the chief's stderr (its log under the launcher)."
+        )
+    note += "\n"
     with contextlib.suppress(OSError):
         write_text(folder, INTERRUPTED_NOTE, note)
     kept = ", ".join(sorted(os.listdir(folder)))
@@ -839,17 +912,30 @@ def run(config, data=None, folder=None, overwrite=False):
             f"{100 * result['test_accuracy']:.2f}%"
         )
         return 0
+    restarted = False
     if folder is None:
-        folder = claim_run_dir(config, "train", overwrite)
-    _open_run_folder(folder, config, data, distribution, sizes, trial["optimizer"])
-    result, monitor = _train(config, data, distribution, trial, folder)
+        # A restarted job takes its earlier run folder as --overwrite would;
+        # `_open_run_folder` resumes it only if it is the same run.
+        restarted = os.environ.get(RESTART_ENV, "0").strip() not in ("", "0")
+        folder = claim_run_dir(config, "train", overwrite or restarted)
+    earlier = _open_run_folder(
+        folder, config, data, distribution, sizes, trial["optimizer"],
+        restarted=restarted, overwrite=overwrite,
+    )  # fmt: skip
+    result, monitor = _train(config, data, distribution, trial, folder, earlier)
     try:
         learning_rates, epochs_run = _learning_rates(result)
         files = _write_run_files(folder, result, learning_rates, epochs_run)
         files += _write_trust_ratio_files(folder, config, monitor)
-        # Last: a summary.json says that every other file is whole.
+        # Last: a summary.json says that every other file is whole. The run
+        # is then complete, and a signal from then on ends it with status 0
+        # (held back while the file is written: it is not half an end).
         summary = _summary(data, distribution, sizes, result, learning_rates)
-        write_text(folder, "summary.json", json.dumps(summary, indent=1, default=str))
+        with deferred():
+            write_text(
+                folder, "summary.json", json.dumps(summary, indent=1, default=str)
+            )
+            run_finished(folder)
         files.insert(2, "summary.json")
     except KeyboardInterrupt as interrupt:
         epochs_run = len(result["history"].get("loss", []))
@@ -859,11 +945,25 @@ def run(config, data=None, folder=None, overwrite=False):
     return 0
 
 
-def _open_run_folder(folder, config, data, distribution, sizes, optimizer):
-    """Creates the run folder, writes the resolved config, prints the setup."""
-    open_run_dir(folder, "train")
+def _open_run_folder(
+    folder, config, data, distribution, sizes, optimizer, restarted, overwrite
+):
+    """Creates the run folder, writes the resolved config, prints the setup.
+
+    A restarted cluster job (`restarted`: `TF_LARS_RESTART` > 0) resumes
+    the folder if its config.yaml is this run's resolved config, and refuses
+    any other existing run without `overwrite`. Returns the history a
+    resumed run goes on from (None: a new run).
+    """
+    text = dump_config(_resolved_config(config, optimizer))
+    earlier = _own_run(folder, text, overwrite) if restarted else None
+    if earlier is None:
+        open_run_dir(folder, "train")
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, INTERRUPTED_NOTE))  # it goes on
     # The resolved config first, so an interrupted run still has it.
-    write_text(folder, "config.yaml", dump_config(_resolved_config(config, optimizer)))
+    write_text(folder, "config.yaml", text)
     num_train = len(data.x_train)
     print(
         f"Data: {num_train} training / {len(data.x_test)} test examples, "
@@ -873,44 +973,139 @@ def _open_run_folder(folder, config, data, distribution, sizes, optimizer):
         print(_describe_distribution(distribution))
     print(describe_batches(*sizes, distribution.replicas, num_train))
     print(f"Run folder: {folder}", flush=True)
+    if earlier is not None:
+        print("Restarted: this run goes on from its backup", flush=True)
+    return earlier
 
 
-def _train(config, data, distribution, trial, folder):
+def _own_run(folder, config_text, overwrite):
+    """The history in `folder` if it is this restarted job's run, else None.
+
+    Raises:
+        ConfigError: another run's folder (without `overwrite`).
+    """
+    try:
+        with open(os.path.join(folder, "config.yaml"), encoding="utf-8") as handle:
+            same = handle.read() == config_text
+    except FileNotFoundError:
+        same = False
+    if not same:
+        if overwrite or not os.listdir(folder):
+            return None
+        raise ConfigError(
+            f"the run folder {folder} exists and holds another run (its "
+            "config.yaml is not this restarted job's); choose another "
+            "`run_name`, or give --overwrite to replace its files. Received: "
+            f"run_name={os.path.basename(folder)!r}"
+        )
+    try:
+        with open(os.path.join(folder, "history.json"), encoding="utf-8") as handle:
+            history = json.load(handle)
+    except (FileNotFoundError, ValueError):
+        return {}
+    for key in ("epoch", "learning_rate_at_epoch_end"):
+        history.pop(key, None)
+    return {k: [math.nan if v is None else v for v in vs] for k, vs in history.items()}
+
+
+def _train(config, data, distribution, trial, folder, earlier=None):
     """`fit_once` with the trust-ratio monitor; the result and the monitor.
 
     The chief (a `folder`) also shows the progress and writes
     `history.json` at every epoch end; a worker other than the chief
-    (`folder` None) trains in lockstep, silently.
+    (`folder` None) trains in lockstep, silently. On a cluster
+    (`multi_worker`, `diloco`) the workers stop together on a signal
+    (`_RaiseInterrupts`), a named run keeps a backup that a restarted job
+    resumes from (`_backup`; `earlier`: the history it resumes), and a
+    worker lost mid-run leaves a note in the run folder.
     """
     if distribution.coordinator is not None:
         return _train_parameter_server(config, data, distribution, trial, folder), None
-    training = config["training"]
+    training, epochs = config["training"], config["training"]["epochs"]
     monitor = _trust_ratio_monitor(config, trial["optimizer"], folder)
-    writer = None if folder is None else _HistoryWriter(folder)
-    sync = None
+    writer = None if folder is None else _HistoryWriter(folder, earlier)
+    sync, cluster, every = None, None, 1
     if distribution.exchange is not None:
         from tf_lars.distribute import DiLoCoSync
 
-        sync = DiLoCoSync(distribution.exchange)
+        sync, cluster = DiLoCoSync(distribution.exchange), distribution.exchange
+        every = _strategy_block(config, "diloco")["sync_every"]
+    elif distribution.task is not None:
+        cluster = distribution.strategy  # multi_worker
+    backup = _backup(config, distribution, folder)
+    # The backup restores before DiLoCoSync starts (which shares worker 0's
+    # weights on a new run only) and saves after the history is written.
+    callbacks = [monitor, writer, backup, sync, sync and _TakeTheta()]
+    stop = _RaiseInterrupts(cluster, every)
+    lost = _LOST_WORKER if cluster else ()
     try:
         result = fit_once(
             data,
             trial,
             batch_size=trial["batch_size"],
-            epochs=training["epochs"],
+            epochs=epochs,
             jit_compile=training["jit_compile"],
-            callbacks=[c for c in (monitor, writer, sync) if c is not None]
-            + ([_TakeTheta()] if sync else []),
+            callbacks=[c for c in callbacks if c is not None] + [stop],
             verbose=0 if folder is None else training["verbose"],
             validation=True,
             strategy=distribution.strategy,
         )
     except KeyboardInterrupt as interrupt:
         done = len(writer.history.get("loss", [])) if writer else 0
-        raise _interrupted(folder, done, training["epochs"], interrupt) from None
+        raise _interrupted(folder, done, epochs, interrupt) from None
+    except lost as error:
+        done = len(writer.history.get("loss", [])) if writer else 0
+        kept = str(_interrupted(folder, done, epochs, lost=error))
+        print(
+            f"{distribution.task}: stopped, a worker of the cluster was lost "
+            f"({type(error).__name__})" + (f"; {kept}" if kept else ""),
+            flush=True,
+        )
+        raise  # its traceback (and status) as before: the log has it
+    if backup is not None and sync is not None:
+        # Each worker's own files, then, once every worker's are gone, the
+        # folder (BackupAndRestore deletes its own at the end of `fit`).
+        import shutil
+
+        shutil.rmtree(backup.folder, ignore_errors=True)
+        stop.agree(None)
+        if folder is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(backup.folder))
     if sync is not None:
         result["communication"] = sync.traffic.as_dict()
     return result, monitor
+
+
+# What the next collective raises on every other worker when one is gone
+# (a connection reset, an aborted or timed-out collective).
+_LOST_WORKER = (
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+)
+
+
+def _backup(config, distribution, folder):
+    """The backup callback of a `multi_worker` or `diloco` run, or None.
+
+    Only a named run (`run_name`) has one, in `<run folder>/backup`: every
+    worker knows that folder without the chief (diloco's workers each write
+    their own part of it), and a restarted job finds its run folder again,
+    which an unnamed run's (named by the time it started) is not.
+    """
+    if distribution.task is None or config["run_name"] is None:
+        return None
+    from tf_lars import distribute
+    from tf_lars.cli.config import run_dir
+
+    backup_dir = os.path.join(folder or run_dir(config, "train"), "backup")
+    if distribution.exchange is not None:
+        return distribute.DiLoCoBackup(
+            backup_dir, distribution.exchange, distribution.rank
+        )
+    return distribute.BackupAndRestore(backup_dir)
 
 
 def _strategy_block(config, name):

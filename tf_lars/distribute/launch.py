@@ -20,8 +20,10 @@ name) and its arguments. Each task is a process with its own `TF_CONFIG` and
 
 Each task's output is in `<log-dir>/<type>-<index>.log`, the cluster's state
 in `<log-dir>/cluster.json`; the terminal shows the shown task's stdout and
-the last lines of a failed task's log. Ctrl-C (or SIGTERM) stops every task;
-`--timeout` too, with status 124. One launcher starts at most 4 tasks per
+the last lines of a failed task's log. Ctrl-C or SIGTERM is passed on to
+every task as SIGTERM, for its own handling (SIGKILL 10 s later), and the
+launcher exits with 130 or 143; `--timeout` stops every task too, with
+status 124. One launcher starts at most 4 tasks per
 CPU. Usage errors print one line and exit with status 2 before anything
 starts.
 
@@ -60,6 +62,11 @@ from tf_lars.distribute.run import EXIT_CLUSTER, EXIT_CONFIG
 RESTART_ENV = "TF_LARS_RESTART"
 #: Exit status when `--timeout` ends the job (the status of coreutils' timeout).
 EXIT_TIMEOUT = 124
+#: Seconds the tasks have, after the SIGTERM a Ctrl-C or SIGTERM of the
+#: launcher passes on, for their own handling (`tf-lars train` stops every
+#: worker at the next step end and leaves its INTERRUPTED note) before
+#: SIGKILL. A failed job's other tasks get `stop_all`'s default 5 s.
+SIGNAL_GRACE = 10.0
 #: Local tasks the launcher starts per CPU at most (`max_local_tasks`).
 TASKS_PER_CPU = 4
 #: The largest `--cluster @file` read: a cluster of thousands of tasks is far
@@ -515,7 +522,10 @@ class _Launch:
         while self.stop_signal is None and time.monotonic() < end:
             time.sleep(0.05)
         if self.stop_signal is not None:
-            _log(f"got {signal.Signals(self.stop_signal).name}; stopping all tasks")
+            _log(
+                f"got {signal.Signals(self.stop_signal).name}; passing SIGTERM on "
+                f"to every task (SIGKILL {SIGNAL_GRACE:g}s later)"
+            )
             return 128 + self.stop_signal
         if time.monotonic() < self.deadline:
             return None
@@ -549,7 +559,7 @@ class _Launch:
                 if code is not None:
                     return code
         finally:
-            stop_all(self.tasks)
+            stop_all(self.tasks, SIGNAL_GRACE if self.stop_signal else 5.0)
             self.write_state()
 
     def _ps_step(self):

@@ -16,8 +16,10 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 
 import keras
@@ -256,6 +258,11 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
             servers may hold off SIGTERM). None waits as long as
             TensorFlow does. Defaults to 300.
 
+    Creating the strategy starts TensorFlow's coordination service, which
+    takes SIGTERM from Python; this gives it back (`_keep_python_sigterm`),
+    so a SIGTERM ends the program, or runs its handler, as without the
+    strategy.
+
     Returns:
         A `tf.distribute.MultiWorkerMirroredStrategy`.
 
@@ -292,10 +299,26 @@ def multi_worker_strategy(config=None, communication_timeout=None, start_timeout
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver, communication_options=options
     )
+    _keep_python_sigterm()
     # TensorFlow's Python log records would otherwise print twice from here.
     log_tensorflow_records_once()
     _join(strategy, started)
     return strategy
+
+
+def _keep_python_sigterm():
+    """Gives SIGTERM back to the handler Python had before the strategy.
+
+    The strategy starts TensorFlow's coordination service, whose preemption
+    notifier (TensorFlow 2.21's `SigtermNotifier`) installs a C handler for
+    SIGTERM that only records it: the program's own handler (`tf-lars
+    train`'s INTERRUPTED note) never ran, and without one a SIGTERM no longer
+    ended the process. Setting Python's handler again puts its C handler
+    back; only the main thread may (None: a handler Python did not set).
+    """
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _join(strategy, started):

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lars import _internals
-from tf_lars.distribute.logs import log_tensorflow_records_once
+from tf_lars.distribute.logs import log_tensorflow_records_once, write_lines
 from tf_lars.distribute.ps_agn import ParameterServerAGN, check_strategy_and_agn
 from tf_lars.distribute.tf_config import split_address
 
@@ -32,6 +32,7 @@ class ParameterServerFailure(RuntimeError):
         address: str or None, its `"host:port"`.
         checkpoint: str or None, the last checkpoint a rerun resumes from.
         checkpoint_commits: int or None, the commit count in that checkpoint.
+        summary: str, the message without TensorFlow's error.
     """
 
     def __init__(self, task, address, checkpoint, checkpoint_commits, cause):
@@ -50,12 +51,12 @@ class ParameterServerFailure(RuntimeError):
                 "No checkpoint was written yet (pass `checkpoint_dir`); a rerun "
                 "starts from scratch."
             )
-        summary = str(cause).strip().splitlines()
-        summary = summary[-1] if summary else type(cause).__name__
-        super().__init__(
-            f"parameter server {where} is unavailable; training stopped. {resume} "
-            f"[{type(cause).__name__}: {summary[:300]}]"
+        self.summary = (
+            f"parameter server {where} is unavailable; training stopped. {resume}"
         )
+        cause_line = str(cause).strip().splitlines()
+        cause_line = cause_line[-1] if cause_line else type(cause).__name__
+        super().__init__(f"{self.summary} [{type(cause).__name__}: {cause_line[:300]}]")
 
 
 # Where TensorFlow's errors leave no choice but their text. A lost task is
@@ -173,8 +174,14 @@ class ParameterServerTrainer:
         max_to_keep: int >= 1. Checkpoints kept. Defaults to `3`.
         jit_compile: bool. Compile the local steps of a round with XLA.
             Defaults to `True`; set False for models XLA cannot compile.
-        log: callable taking a str, for progress lines. Defaults to `print`
-            (flushed).
+        log: callable taking a str, for progress lines. Defaults to writing
+            each as one line on stdout.
+        status: callable taking a str, for the status lines, as they happen:
+            a worker lost or rejoined (from the coordinator's own failure
+            and recovery handling, on its threads), a parameter server
+            unavailable (the `ParameterServerFailure` about to be raised),
+            a checkpoint saved or restored. Defaults to writing each as one
+            whole line on stdout (`logs.write_lines`), whatever `log` is.
 
     Examples:
         ```python
@@ -203,6 +210,7 @@ class ParameterServerTrainer:
         max_to_keep=3,
         jit_compile=True,
         log=None,
+        status=None,
     ):
         check_strategy_and_agn(strategy, optimizer, "optimizer")
         if not callable(dataset_fn):
@@ -226,13 +234,20 @@ class ParameterServerTrainer:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.jit_compile = bool(jit_compile)
-        self._log = log or (lambda line: print(line, flush=True))
+        # Whole lines, one writer at a time: status lines come from the
+        # coordinator's threads.
+        self._log = log or (lambda line: write_lines([line]))
+        self._status = status or (lambda line: write_lines([line]))
         self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         self._dataset_fn = dataset_fn
         resolver = _internals.cluster_resolver_of(strategy)
         self._cluster = resolver.cluster_spec().as_dict()
         self.num_workers = len(self._cluster.get("worker", []))
         log_tensorflow_records_once()
+        self._lost_workers = set()
+        _internals.watch_workers(
+            self.coordinator, self._worker_lost, self._worker_rejoined
+        )
 
         #: The worker side of `optimizer` (`ParameterServerAGN`).
         self.ps_agn = ParameterServerAGN(
@@ -256,7 +271,28 @@ class ParameterServerTrainer:
         with self._ps_failures():
             self.checkpoint.restore(latest).assert_existing_objects_matched()
             self.restored_commits = int(self.optimizer.commits.numpy())
-        self._log(f"[agn] restored {latest} (commit {self.restored_commits})")
+        self._status(f"[agn] restored {latest} (commit {self.restored_commits})")
+
+    def _worker_label(self, index):
+        addresses = self._cluster.get("worker", [])
+        return f"worker {index} ({addresses[index] if index < len(addresses) else '?'})"
+
+    def _worker_lost(self, index, error):
+        # The coordinator may report one loss from more than one closure.
+        if index not in self._lost_workers:
+            self._lost_workers.add(index)
+            self._status(
+                f"[agn] {self._worker_label(index)} lost ({type(error).__name__}); "
+                "the other workers take its rounds"
+            )
+
+    def _worker_rejoined(self, index):
+        if index in self._lost_workers:
+            self._lost_workers.discard(index)
+            self._status(
+                f"[agn] {self._worker_label(index)} rejoined, with new worker-local "
+                "state"
+            )
 
     # ------------------------------------------------------------- the round
     def _round_dataset(self, input_context):
@@ -338,9 +374,11 @@ class ParameterServerTrainer:
             if failed is None:
                 raise
             checkpoint, commits = self._last_checkpoint()
-            raise ParameterServerFailure(
+            failure = ParameterServerFailure(
                 failed[0], failed[1], checkpoint, commits, error
-            ) from error
+            )
+            self._status(f"[agn] error: {failure.summary}")
+            raise failure from error
 
     def _last_checkpoint(self):
         """`(path, commits)` of the latest checkpoint, or `(None, None)`."""
@@ -476,7 +514,7 @@ class ParameterServerTrainer:
             commits // every > last_saved // every or commits >= target
         ):
             path = self.manager.save(checkpoint_number=commits)
-            self._log(f"[agn] checkpoint saved: {path} (commit {commits})")
+            self._status(f"[agn] checkpoint saved: {path} (commit {commits})")
 
     def worker_local_steps(self):
         """Local steps each worker has taken since its variables were created.
