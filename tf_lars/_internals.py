@@ -684,6 +684,29 @@ def check_hooks(optimizer):
 # Release differences, each with the release that changed it.
 
 
+def building_loss_scale(optimizer):
+    """The `keras.optimizers.LossScaleOptimizer` whose `build` is building
+    `optimizer` as its inner optimizer right now, or None.
+
+    A loss scale around a wrapper that holds one already (DiLoCo, AGN)
+    unscales every gradient twice; `model.compile` adds one under
+    mixed_float16. Keras 3.15's `LossScaleOptimizer.__init__` sets
+    `inner.loss_scale_factor = None`, Keras 3.8's does not (both measured):
+    what every release in the range does is call `inner_optimizer.build`
+    from its own `build`. So the calling frames are read for that `self`.
+    """
+    frame = inspect.currentframe().f_back
+    for _ in range(8):  # the wrapper's build and a decorator or two above it
+        frame = frame.f_back if frame is not None else None
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if (
+            isinstance(owner, keras.optimizers.LossScaleOptimizer)
+            and getattr(owner, "inner_optimizer", None) is optimizer
+        ):
+            return owner
+    return None
+
+
 def add_optimizer_variables(optimizer, variables, name, initializer="zeros"):
     """`Optimizer.add_optimizer_variables`: one slot per model variable.
 

@@ -93,37 +93,32 @@ def gradient_as_tensor(gradient):
     return tf.convert_to_tensor(gradient)
 
 
-class RefusesOuterLossScale:
-    """Mixin for wrappers whose inner optimizer may be a loss scale (AGN, DiLoCo).
+def refuse_outer_loss_scale(wrapper):
+    """Refuses a loss scale around `wrapper` (AGN, DiLoCo) when its inner
+    optimizer is a loss scale already, in one `ValueError`; called first in
+    the wrapper's `build`.
 
     Keras's `LossScaleOptimizer` (the one `model.compile` adds around any
-    other optimizer under the `mixed_float16` policy, and tf_lars's subclass)
-    turns its inner optimizer's own scaling off by setting
-    `inner.loss_scale_factor = None` in its constructor (read from
-    keras/src/optimizers/loss_scale_optimizer.py, Keras 3.8 to 3.15). Around a
-    wrapper that holds a loss scale already, it would unscale every gradient a
-    second time: steps `scale` times too small. That assignment is where the
-    nesting is seen, so it is refused there, in one `ValueError`. A wrapper's
-    own `loss_scale_factor` stays None: it scales through its inner
-    optimizer's `scale_loss`.
+    optimizer that is not one under the mixed_float16 policy, and tf_lars's
+    subclass) would unscale every gradient before the inner loss scale
+    unscales it again: steps `scale` times too small. Keras builds its inner
+    optimizer from its own `build`, which is where the nesting is seen
+    (`_internals.building_loss_scale`).
     """
-
-    def __setattr__(self, name, value):
-        inner = getattr(self, "inner_optimizer", None)  # None while constructing
-        if name == "loss_scale_factor" and isinstance(
-            inner, keras.optimizers.LossScaleOptimizer
-        ):
-            kind = type(self).__name__
-            raise ValueError(
-                f"{kind}'s `inner_optimizer` is a loss-scale optimizer already, "
-                f"so a second one around {kind} (as `model.compile` adds under "
-                "the mixed_float16 policy) would unscale the gradients twice. "
-                "Compile with `auto_scale_loss=False` (the model then calls "
-                f"{kind}.scale_loss, which is the inner loss scale's). "
-                f"Received: {kind}({type(inner).__name__}(...)) inside "
-                "another loss-scale optimizer"
-            )
-        super().__setattr__(name, value)
+    inner = wrapper.inner_optimizer
+    if not isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        return
+    if _internals.building_loss_scale(wrapper) is not None:
+        kind = type(wrapper).__name__
+        raise ValueError(
+            f"{kind}'s `inner_optimizer` is a loss-scale optimizer already, "
+            f"so a second one around {kind} (as `model.compile` adds under "
+            "the mixed_float16 policy) would unscale the gradients twice. "
+            "Compile with `auto_scale_loss=False` (the model then calls "
+            f"{kind}.scale_loss, which is the inner loss scale's). "
+            f"Received: {kind}({type(inner).__name__}(...)) inside "
+            "another loss-scale optimizer"
+        )
 
 
 class InnerOptimizerWrapper:

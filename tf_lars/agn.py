@@ -25,9 +25,9 @@ from tf_lars._validation import check_inner_learning_rate, check_outer_optimizer
 from tf_lars._wrapper import (
     BASE_ARGUMENT_DEFAULTS,
     InnerOptimizerWrapper,
-    RefusesOuterLossScale,
     all_finite,
     gradient_as_tensor,
+    refuse_outer_loss_scale,
     require_built,
 )
 from tf_lars.diloco import takes_outer_steps
@@ -144,7 +144,7 @@ class _Untracked:
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class AGN(RefusesOuterLossScale, InnerOptimizerWrapper, keras.optimizers.Optimizer):
+class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     """Accumulated Gradient Normalization: local steps, normalized commits.
 
     Each worker trains a local copy of the model with the inner optimizer and
@@ -306,6 +306,7 @@ class AGN(RefusesOuterLossScale, InnerOptimizerWrapper, keras.optimizers.Optimiz
     # ------------------------------------------------------------------ build
     @no_automatic_dependency_tracking
     def build(self, var_list):
+        refuse_outer_loss_scale(self)
         if self.built:
             return
         var_list = list(var_list)

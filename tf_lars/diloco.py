@@ -32,7 +32,7 @@ from tf_lars._validation import (
 )
 from tf_lars._wrapper import (
     BASE_ARGUMENT_DEFAULTS,
-    RefusesOuterLossScale,
+    refuse_outer_loss_scale,
     require_built,
 )
 from tf_lars.schedules import check_step_count
@@ -203,7 +203,7 @@ def streaming_schedule(step, num_fragments, sync_every):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class DiLoCo(RefusesOuterLossScale, keras.optimizers.Optimizer):
+class DiLoCo(keras.optimizers.Optimizer):
     """One worker of synchronous DiLoCo, on any Keras backend.
 
     Each worker takes `sync_every` (H) inner steps with its own inner
@@ -347,6 +347,7 @@ class DiLoCo(RefusesOuterLossScale, keras.optimizers.Optimizer):
     def build(self, variables):
         """Makes `theta` (copies of `variables`), the outer optimizer's slots
         over it, the error buffers, and builds the inner optimizer."""
+        refuse_outer_loss_scale(self)
         if self.built:
             return
         variables = list(variables)
