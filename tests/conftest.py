@@ -167,9 +167,34 @@ PARTS = {
 }
 _PART_OF = {f"{name}_test.py": part for part, names in PARTS.items() for name in names}
 
+#: The second tier (`python -m pytest -q -m distributed`, which `.ci/run`
+#: runs too): the multi-process fault and equality scenarios, each starting
+#: a cluster of real processes. The README's command (`-m "not distributed"`
+#: in pyproject.toml's addopts) keeps one smoke test per distributed feature,
+#: named here: parameter servers (distribute_ps_test, one cluster for the
+#: file), `model.fit` on MultiWorkerMirroredStrategy through the launcher,
+#: synchronous DiLoCo across processes, and the launcher's job restart.
+SECOND_TIER = {
+    "cli_distribute_test.py": {
+        "test_two_workers_through_the_launcher_equal_one_process",
+        "test_two_workers_train_with_diloco_through_the_launcher[float32]",
+    },
+    "distribute_diloco_test.py": set(),
+    "distribute_fault_test.py": set(),
+    "distribute_hostile_test.py": set(),
+    "distribute_launch_sync_test.py": {
+        "test_killed_worker_restarts_the_whole_job_on_the_same_addresses",
+    },
+    "distribute_launch_test.py": set(),
+    "distribute_multi_worker_test.py": set(),
+    "distribute_preempt_test.py": set(),
+    "examples_tfjob_test.py": set(),
+}
+
 
 def pytest_collection_modifyitems(config, items):
-    """Marks each test with its file's part; a file in no part is an error."""
+    """Marks each test with its file's part, and the second tier's with
+    `distributed`; a file in no part is an error."""
     for item in items:
         part = _PART_OF.get(item.path.name)
         if part is None:
@@ -178,3 +203,6 @@ def pytest_collection_modifyitems(config, items):
                 "add it to the part it tests"
             )
         item.add_marker(getattr(pytest.mark, part))
+        smoke = SECOND_TIER.get(item.path.name)
+        if smoke is not None and item.name not in smoke:
+            item.add_marker(pytest.mark.distributed)
