@@ -191,8 +191,9 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
     (on the parameter servers, created under the same `strategy.scope()`)
     and are saved with the model. With a plain-SGD inner optimizer,
     `outer_optimizer=SGD(1 / communication_period)` takes AGN's own commit.
-    docs/guides/low-communication.md states the rule, what staleness does
-    to the outer momentum, and the settings of the paper.
+    The rule is docs/algorithms.md's "AGN with an outer optimizer";
+    docs/guides/low-communication.md says what staleness does to the outer
+    momentum, and the settings of the paper.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Applies the local steps
