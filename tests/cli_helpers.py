@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -14,3 +16,16 @@ def process_env(**extra):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return {**env, "PYTHONPATH": python_path, **extra}
+
+
+def run_python(code, cwd, timeout=300, **env):
+    """`python -c CODE` in `cwd` with `process_env(**env)`: the finished
+    process, its stdout and stderr as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=process_env(**env),
+        timeout=timeout,
+    )

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.cli_helpers import process_env
+from tests.cli_helpers import process_env, run_python
 from tf_lars.cli import preflight
 from tf_lars.cli.config import ConfigError, load_config
 
@@ -689,14 +689,7 @@ def test_without_tensorflow_installed(tmp_path):
         "import sys; sys.modules['tensorflow'] = None; "
         "from tf_lars.cli.main import main; sys.exit(main(['train']))"
     )
-    process = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=process_env(),
-        timeout=TIMEOUT,
-    )
+    process = run_python(script, tmp_path, TIMEOUT)
     assert process.returncode == 2, process.stderr
     assert process.stderr == (
         "tf-lars train: error: the command line needs the `cli` extra: pip install "

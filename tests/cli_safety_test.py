@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import process_env
+from tests.cli_helpers import process_env, run_python
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -255,14 +255,7 @@ def test_the_process_ends_without_collecting_its_garbage(tmp_path):
         sys.exit(code)
         """
     )
-    process = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=process_env(),
-        timeout=TIMEOUT,
-    )
+    process = run_python(probe, tmp_path, TIMEOUT)
     assert process.returncode == 2, process.stderr
     assert process.stdout == ""
 

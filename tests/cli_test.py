@@ -18,7 +18,7 @@ import yaml
 
 import tf_lars
 import tf_lars.cli
-from tests.cli_helpers import process_env
+from tests.cli_helpers import process_env, run_python
 from tf_lars.cli.config import (
     ConfigError,
     apply_overrides,
@@ -945,14 +945,7 @@ def test_missing_cli_extra_is_a_clean_error(tmp_path):
         "from tf_lars.cli.main import main\n"
         "sys.exit(main())\n"
     )
-    process = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=process_env(),
-        timeout=300,
-    )
+    process = run_python(probe, tmp_path)
     assert process.returncode == 2
     assert process.stderr.strip() == (
         "tf-lars train: error: the command line needs the `cli` extra: "
@@ -969,14 +962,7 @@ def test_another_backend_without_tensorflow_names_both_fixes(tmp_path):
         "from tf_lars.cli.main import main\n"
         "sys.exit(main(['train']))\n"
     )
-    process = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=process_env(KERAS_BACKEND="jax"),
-        timeout=300,
-    )
+    process = run_python(probe, tmp_path, KERAS_BACKEND="jax")
     assert process.returncode == 2
     assert process.stderr == (
         "tf-lars train: error: the command line needs Keras's TensorFlow backend, "
