@@ -219,17 +219,17 @@ class DiLoCo(keras.optimizers.Optimizer):
     steps with M = 1 (the outer optimizer alone, as SNOO does). Across
     processes `tf_lars.distribute.DiLoCoSync` (TensorFlow's
     `MultiWorkerMirroredStrategy`) or `tf_lars.distribute.synchronize` takes
-    it, and `simulate_sync` for workers simulated in one process; each sets
-    `exchange="external"` on its first call (and refuses an optimizer that
-    already took an outer step on its own: construct it with
-    `exchange="external"` where the first round is one step long).
+    it, and `simulate_sync` for workers simulated in one process: each sets
+    `exchange="external"` (`take_over_exchange`), and refuses where the
+    inner step just taken ended a round, whose outer step this optimizer
+    then took itself; a loop that calls them only where rounds end, or with
+    H = 1, constructs its workers with `exchange="external"`.
 
     It is a Keras optimizer: `model.compile(optimizer=DiLoCo(...))` takes
     the inner steps and the outer steps in `model.fit`, and the model's
-    saving and checkpoints
-    hold its whole state (`theta`, the outer and inner optimizers' slots,
-    the error buffers, the inner-step count `iterations`). `learning_rate`
-    is the inner optimizer's.
+    saving and checkpoints hold its whole state (`theta`, the outer and
+    inner optimizers' slots, the error buffers, the inner-step count
+    `iterations`). `learning_rate` is the inner optimizer's.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Each worker's own
