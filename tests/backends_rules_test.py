@@ -23,7 +23,7 @@ import tf_lars
 from tests import benchmark_scripts
 from tests import lamb_reference as ref
 from tests import lars_reference as lars_ref
-from tf_lars import _internals, _kernels, _rules
+from tf_lars import _internals, _kernels, _rules, trust_ratio
 
 BACKEND = keras.backend.backend()
 STEPS = 3
@@ -498,7 +498,7 @@ def test_discovery_finds_keras_optimizers():
 )
 def test_every_keras_optimizer_writes_its_variable_only_through_assign(cls):
     # TrustRatio reads a foreign optimizer's step by capturing its writes
-    # (`_internals.captured_step`), which holds only while Keras optimizers
+    # (`trust_ratio.captured_step`), which holds only while Keras optimizers
     # write a variable through `assign`, `assign_add` and `assign_sub`: the
     # captured step leaves the variable as it was, and is the step an
     # identical optimizer takes, its slots updated the same way.
@@ -510,7 +510,7 @@ def test_every_keras_optimizer_writes_its_variable_only_through_assign(cls):
     captured, plain = _make_keras_optimizer(cls), _make_keras_optimizer(cls)
     for optimizer, variable in zip((captured, plain), variables, strict=True):
         optimizer.build([variable])
-    step = _internals.captured_step(captured, gradient, variables[0], rate)
+    step = trust_ratio.captured_step(captured, gradient, variables[0], rate)
     type(plain).update_step(plain, gradient, variables[1], rate)
     np.testing.assert_array_equal(ops.convert_to_numpy(variables[0]), start)
     moved = start - ops.convert_to_numpy(variables[1])

@@ -5,10 +5,11 @@ One parametrized suite over the table of optimizers under test
 and without compilation (TensorFlow: op by op, the optimizer's compiled
 eager apply, `tf.function`, `tf.function(jit_compile=True)`; JAX: `apply`,
 `stateless_apply`, `stateless_apply` under `jax.jit`; PyTorch: `apply`),
-through `model.fit(jit_compile=...)`, half-precision variables, the config
-and `.keras` round trips, default names, tuples for gradients and
-variables, writes through the optimizer's `assign*`, and sparse gradients
-(TensorFlow). Run it under each backend:
+through `model.fit(jit_compile=...)` (and LARS's momentum slots and trust
+ratios beside the weights), half-precision variables, the config and
+`.keras` round trips, default names, tuples for gradients and variables,
+writes through the optimizer's `assign*`, and sparse gradients and
+`tf.train.Checkpoint` (TensorFlow). Run it under each backend:
 
     KERAS_BACKEND=jax python -m pytest tests/contract_test.py
 """
@@ -37,11 +38,12 @@ MODES = {
     "jax": ["eager", "stateless", "jit"],
     "torch": ["eager"],
 }[BACKEND]
-#: (dtype, mode) of the reference test: float32 in every mode; float64 in
-#: the default one (JAX keeps float64 off unless asked, `jax_enable_x64`).
+#: (dtype, mode) of the reference test: float32 in every mode; float64 op
+#: by op and compiled, on TensorFlow (JAX keeps float64 off unless asked,
+#: `jax_enable_x64`).
 REFERENCE_CASES = [("float32", mode) for mode in MODES]
 if BACKEND == "tensorflow":  # torch's Adam rounds float64 steps to ~3e-7
-    REFERENCE_CASES.append(("float64", "default"))
+    REFERENCE_CASES += [("float64", "eager"), ("float64", "default")]
 #: `model.fit(jit_compile=...)` for every row; on torch `jit_compile=True` is
 #: `torch.compile` (about a minute a model on 2 cores), so one row per
 #: optimizer there.
@@ -55,7 +57,8 @@ FIT_CASES = [
 TOLERANCE = {
     "float32": dict(rtol=2e-5, atol=2e-6),
     # float64: the rules hold a few constants (Keras's learning rate, some
-    # betas) in float32; the per-optimizer files hold their float64 rows tighter.
+    # betas) in float32; a row that holds none says its own, tighter one
+    # (`UnderTest.tolerance`), and the per-optimizer files hold theirs.
     "float64": dict(rtol=1e-8, atol=1e-8),
     # One rounding per step of an 8- or 11-bit significand, values of order 1.
     "float16": dict(rtol=8e-3, atol=8e-3),
@@ -84,8 +87,8 @@ def _reference(row, weights, grads, sparse=False):
     return expected
 
 
-def _assert_close(variables, expected, dtype, what=""):
-    tolerance = TOLERANCE[dtype]
+def _assert_close(variables, expected, dtype, what="", row=None):
+    tolerance = (row.tolerance if row else {}).get(dtype, TOLERANCE[dtype])
     for index, (variable, want) in enumerate(zip(variables, expected, strict=True)):
         actual = keras.ops.convert_to_numpy(keras.ops.cast(variable, "float64"))
         np.testing.assert_allclose(
@@ -100,10 +103,22 @@ def test_apply_follows_the_numpy_reference(name, dtype, mode):
     row = ROWS[name]
     weights, grads = _problem(dtype)
     optimizer, variables = _run(row, weights, grads, dtype, mode)
-    _assert_close(variables, _reference(row, weights, grads), dtype, mode)
+    reference = row.reference(weights)
+    for step_grads in grads:
+        expected = reference([np.asarray(g, np.float64) for g in step_grads])
+    _assert_close(variables, expected, dtype, mode, row)
     for variable in variables:
         assert keras.backend.standardize_dtype(variable.dtype) == dtype
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == STEPS
+    # LARS's state: its momentum slots, and the trust ratios of the last step.
+    for lars in under_test.inner_chain(optimizer):
+        if not isinstance(lars, tf_lars.LARS):
+            continue
+        if lars.momentum:
+            what = f"{mode} momentum"
+            _assert_close(lars.momentums, reference.velocities, dtype, what, row)
+        ratios = keras.ops.convert_to_numpy(lars.trust_ratios)
+        np.testing.assert_allclose(ratios, reference.ratios, rtol=1e-5, atol=0)
 
 
 #: Keras's Adam holds beta_2 = 0.999 in bfloat16 as 1 (no bias correction),
@@ -304,14 +319,18 @@ def test_config_holds_every_argument_set_away_from_its_default(name):
     _check_round_trip(cls(**arguments), arguments)
 
 
-def _fitted(row, x, y):
-    model = keras.Sequential(
+def _two_layer_model():
+    return keras.Sequential(
         [
             keras.Input((3,)),
             keras.layers.Dense(4, activation="tanh"),
             keras.layers.Dense(2),
         ]
     )
+
+
+def _fitted(row, x, y):
+    model = _two_layer_model()
     model.compile(optimizer=row.make(), loss="mse")
     model.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
     return model
@@ -343,6 +362,34 @@ def test_keras_save_load_continues_bit_identically(name, tmp_path):
     for a, b in zip(model.weights, loaded.weights, strict=True):
         np.testing.assert_array_equal(_numpy(a), _numpy(b), err_msg=a.path)
     for a, b in zip(saved, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(_numpy(a), _numpy(b), err_msg=a.path)
+
+
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="tf.train.Checkpoint: TensorFlow only"
+)
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_checkpoint_restores_and_continues_bit_identically(name, tmp_path):
+    import tensorflow as tf
+
+    row = ROWS[name]
+    x, y = _regression_data(40)  # 5 steps: AGN (period 2) stops mid-round
+    model = _fitted(row, x, y)
+    saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    prefix = saved.save(str(tmp_path / "ckpt"))
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    keras.utils.set_random_seed(99)  # another start, which the restore replaces
+    fresh = _two_layer_model()
+    optimizer = type(model.optimizer).from_config(model.optimizer.get_config())
+    fresh.compile(optimizer=optimizer, loss="mse")
+    optimizer.build(fresh.trainable_variables)
+    restored = tf.train.Checkpoint(model=fresh, optimizer=optimizer).restore(prefix)
+    restored.assert_existing_objects_matched()
+    assert int(_numpy(optimizer.iterations)) == 5
+    fresh.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    for a, b in zip(model.weights, fresh.weights, strict=True):
+        np.testing.assert_array_equal(_numpy(a), _numpy(b), err_msg=a.path)
+    for a, b in zip(model.optimizer.variables, optimizer.variables, strict=True):
         np.testing.assert_array_equal(_numpy(a), _numpy(b), err_msg=a.path)
 
 
@@ -509,8 +556,12 @@ def test_sparse_gradient_rows_follow_the_numpy_reference(name, mode):
     reference = row.reference([weight], sparse=True)
     for step_grads in dense:
         expected = reference(step_grads)
-    _assert_close([variable], expected, "float64", mode)
+    _assert_close([variable], expected, "float64", mode, row)
     if isinstance(optimizer, tf_lars.LARS) and optimizer.momentum:
-        _assert_close(optimizer.momentums, reference.velocities, "float64", mode)
+        _assert_close(optimizer.momentums, reference.velocities, "float64", mode, row)
     untouched = [1, 3, 5]
     np.testing.assert_array_equal(_numpy(variable)[untouched], weight[untouched])
+    # A sparse gradient takes no trust ratio: the record says 1.
+    for adaptive in under_test.inner_chain(optimizer):
+        if hasattr(adaptive, "trust_ratios"):
+            np.testing.assert_array_equal(_numpy(adaptive.trust_ratios), [1.0])

@@ -261,17 +261,6 @@ def tfa_lamb(
     return w
 
 
-def lamb_sparse_adam(weight, m, v, t, indices, values, lr, b1, b2, eps):
-    """LAMB's sparse step: Adam (eps after the correction) on the summed rows."""
-    g = np.zeros_like(weight)
-    for i, row in zip(indices, values, strict=True):
-        g[int(i)] += row
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    update = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
-    return weight - lr * update, m, v
-
-
 def keras_rmsprop_direction(rho=0.9, epsilon=1e-7):
     """Keras RMSprop (not centered, no momentum): v <- rho v + (1 - rho) g^2;
     the step over lr is g / sqrt(v + epsilon)."""

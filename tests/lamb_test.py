@@ -224,25 +224,10 @@ def test_zero_weights_and_zero_gradients_give_ratio_one():
     np.testing.assert_allclose(zero_g.numpy(), 1.0 - 0.1 * 10 * 0.1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_sparse_rows_with_duplicate_indices_take_adam_without_ratio(compiled):
-    rng = np.random.default_rng(7)
-    weight = rng.normal(size=(6, 3))
-    optimizer = tf_lars.LAMB(learning_rate=LR, weight_decay=0.5, epsilon=1e-3)
-    optimizer.jit_compile = compiled
-    variable = keras.Variable(weight, dtype="float64")
-    m, v = np.zeros_like(weight), np.zeros_like(weight)
-    expected = weight.copy()
-    for t in range(1, 4):
-        indices = np.array([0, 4, 0, 2])
-        values = rng.normal(size=(4, 3))
-        grad = tf.IndexedSlices(tf.constant(values), tf.constant(indices), (6, 3))
-        optimizer.apply([grad], [variable])
-        expected, m, v = ref.lamb_sparse_adam(
-            expected, m, v, t, indices, values, LR, 0.9, 0.999, 1e-3
-        )
-    np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-10)
-    assert optimizer.trust_ratios.numpy()[0] == 1.0
+# Sparse rows with duplicate indices take Adam without ratio or decay, the
+# ratio recorded as 1: tests/contract_test.py,
+# `test_sparse_gradient_rows_follow_the_numpy_reference[eager|default-lamb]`
+# (float64 to 1e-10 of each value, the table's row `lamb`).
 
 
 def test_loss_scale_wrapped_equals_unscaled():
@@ -309,28 +294,9 @@ def test_fit_with_and_without_xla_agree_and_monitor_reads_ratios():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_checkpoint_round_trip_continues_exactly(tmp_path):
-    model = _model()
-    model.compile(optimizer=_lamb(), loss="mse")
-    x, y = _data()
-    model.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
-    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-        str(tmp_path / "ckpt")
-    )
-    model.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
-    expected = [w.numpy() for w in model.weights]
-    keras.utils.set_random_seed(99)
-    fresh = _model()
-    fresh.compile(
-        optimizer=tf_lars.LAMB.from_config(model.optimizer.get_config()), loss="mse"
-    )
-    fresh.optimizer.build(fresh.trainable_variables)
-    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(
-        prefix
-    ).assert_existing_objects_matched()
-    fresh.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
-    for a, b in zip(expected, fresh.weights, strict=True):
-        np.testing.assert_array_equal(a, b.numpy())
+# A tf.train.Checkpoint of the model and the optimizer restores and continues
+# bit-identically: tests/contract_test.py,
+# `test_checkpoint_restores_and_continues_bit_identically[lamb]`.
 
 
 def test_saved_model_serves(tmp_path):

@@ -501,24 +501,6 @@ def iterations_variable(optimizer):
     return private_member(optimizer, "_iterations", "LARS and AGN")
 
 
-def learning_rate_at_update_count(optimizer):
-    """The current learning rate, a schedule evaluated at the count of updates.
-
-    Keras's `Optimizer._get_current_learning_rate` (the `learning_rate`
-    property) calls a schedule with `_iterations`, which counts micro-batches
-    when `gradient_accumulation_steps = k` is set (Keras 3.8 to 3.15): the
-    schedule would run k times too fast. Here it is called with
-    `_iterations // k`, the number of updates taken so far, so that k
-    accumulated micro-batches take the step one big batch would.
-    """
-    setting = learning_rate_setting(optimizer)
-    steps = optimizer.gradient_accumulation_steps
-    if steps and isinstance(setting, keras.optimizers.schedules.LearningRateSchedule):
-        micro_steps = iterations_variable(optimizer)
-        return setting(keras.ops.floor_divide(micro_steps, steps))
-    return keras.optimizers.Optimizer._get_current_learning_rate(optimizer)
-
-
 def adam_slots(optimizer, index):
     """`Adam._momentums[index]`, `Adam._velocities[index]`: LAMB's m and v."""
     momentums = private_member(optimizer, "_momentums", "LAMB")
@@ -545,90 +527,28 @@ def keras_update_step(optimizer):
     return functools.partial(keras.optimizers.Optimizer._backend_update_step, optimizer)
 
 
-def step_each_variable(optimizer, update_step, grads, variables, learning_rate):
-    """Runs `optimizer`'s own step with its `update_step` replaced by
-    `update_step` (an instance attribute, removed after).
+def own_update_step(optimizer):
+    """`optimizer`'s own `_backend_update_step`, bound: its loop of
+    `update_step` over the variables (Nadam's `_u_product` advances in it).
 
-    The step is `optimizer._backend_update_step`, so the per-step state it
-    advances (Nadam's `_u_product`) moves as it would alone; on the torch
-    backend Keras's `TorchParallelOptimizer` (`keras.src.backend.torch.
-    optimizers.torch_parallel_optimizer`), whose step updates every
-    variable with `torch._foreach_*` and never calls `update_step`, is
-    skipped for the next definition in the class's MRO (the Keras parent's,
-    which steps variable by variable). `tf_lars.TrustRatio` wraps foreign
-    optimizers this way.
+    On the torch backend Keras's `TorchParallelOptimizer` (`keras.src.
+    backend.torch.optimizers.torch_parallel_optimizer`) updates every
+    variable with `torch._foreach_*` and never calls `update_step`: its
+    definition is skipped for the next one in the class's MRO (the Keras
+    parent's, which steps variable by variable). `tf_lars.TrustRatio` runs
+    a foreign optimizer's step through it.
     """
-    parallel = _torch_parallel_optimizer()
-    step = optimizer._backend_update_step
+    parallel = None
+    if keras.backend.backend() == "torch":
+        module = _private_module(
+            "keras.src.backend.torch.optimizers.torch_parallel_optimizer",
+            "TrustRatio",
+        )
+        parallel = private_member(module, "TorchParallelOptimizer", "TrustRatio")
     for klass in type(optimizer).__mro__:
         if "_backend_update_step" in vars(klass) and klass is not parallel:
-            step = functools.partial(klass._backend_update_step, optimizer)
-            break
-    optimizer.__dict__["update_step"] = update_step
-    try:
-        step(grads, variables, learning_rate)
-    finally:
-        optimizer.__dict__.pop("update_step", None)
-
-
-def captured_step(optimizer, gradient, variable, learning_rate):
-    """The step `s = w - w_new` `optimizer`'s own `update_step` takes for
-    `variable`, its slots updated but `variable` left as it was.
-
-    Keras optimizers write every variable through `self.assign`,
-    `self.assign_add` and `self.assign_sub` (tests/backends_rules_test.py
-    checks every Keras optimizer still does); for the call those three methods
-    record the writes aimed at `variable` and pass every other write (the
-    slots) through. Zeros where the step wrote nothing.
-    """
-    writes = []
-
-    def unwrap(target):
-        # TensorFlow hands `update_step` the `tf.Variable` of a Keras one.
-        if tf is not None and isinstance(target, keras.Variable):
-            return target.value
-        return target
-
-    def redirect(kind):
-        original = getattr(optimizer, kind)
-
-        def write(target, value):
-            if target is variable or unwrap(target) is unwrap(variable):
-                writes.append((kind, keras.ops.cast(value, variable.dtype)))
-                return None
-            return original(target, value)
-
-        return write
-
-    kinds = ("assign", "assign_add", "assign_sub")
-    for kind in kinds:
-        optimizer.__dict__[kind] = redirect(kind)
-    try:
-        type(optimizer).update_step(optimizer, gradient, variable, learning_rate)
-    finally:
-        for kind in kinds:
-            optimizer.__dict__.pop(kind, None)
-    step = None
-    for kind, value in writes:
-        if kind == "assign_sub":
-            step = value if step is None else step + value
-        elif kind == "assign_add":
-            step = -value if step is None else step - value
-        else:  # a full assign: w_new = value
-            step = keras.ops.convert_to_tensor(variable) - value
-    if step is None:
-        return keras.ops.zeros(variable.shape, variable.dtype)
-    return step
-
-
-def _torch_parallel_optimizer():
-    """Keras's `TorchParallelOptimizer` on the torch backend, else None."""
-    if keras.backend.backend() != "torch":
-        return None
-    module = _private_module(
-        "keras.src.backend.torch.optimizers.torch_parallel_optimizer", "TrustRatio"
-    )
-    return private_member(module, "TorchParallelOptimizer", "TrustRatio")
+            return functools.partial(klass._backend_update_step, optimizer)
+    return private_member(optimizer, "_backend_update_step", "TrustRatio")
 
 
 def portable_optimizer_config(optimizer):

@@ -221,8 +221,20 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         return
 
     def _get_current_learning_rate(self):
-        # A schedule at the count of updates, not of micro-batches.
-        return _internals.learning_rate_at_update_count(self)
+        # A schedule at the count of updates, not of micro-batches: Keras's
+        # own calls a schedule with `iterations`, which counts micro-batches
+        # when `gradient_accumulation_steps = k` is set (Keras 3.8 to 3.15),
+        # so it would run k times too fast. Called here with
+        # `iterations // k`, the updates taken so far, k accumulated
+        # micro-batches take the step one big batch would.
+        setting = _internals.learning_rate_setting(self)
+        steps = self.gradient_accumulation_steps
+        if steps and isinstance(
+            setting, keras.optimizers.schedules.LearningRateSchedule
+        ):
+            micro_steps = _internals.iterations_variable(self)
+            return setting(ops.floor_divide(micro_steps, steps))
+        return super()._get_current_learning_rate()
 
     # ------------------------------------------------------- the update rule
     def _trust_ratios(self, grads, variables):

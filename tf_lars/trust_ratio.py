@@ -1,9 +1,35 @@
 """A layer-wise trust ratio around any Keras optimizer.
 
 The rule is docs/algorithms.md, section "TrustRatio and LAMB", step by step
-in `TrustRatio.update_step`; the inner optimizer's own step is read through
-`_internals.captured_step`. `tf_lars.LAMB` is a TrustRatio whose
+in `TrustRatio.update_step`. `tf_lars.LAMB` is a TrustRatio whose
 `update_step` computes Adam's direction itself.
+
+How the inner optimizer's step is read (`captured_step`, `step_each_variable`):
+a Keras optimizer has no public "compute the step, do not apply it". So
+TrustRatio runs the inner optimizer's own `_backend_update_step` (its loop
+over the variables, `tf_lars._internals.own_update_step`) with its
+`update_step` replaced, for that call, by `TrustRatio.update_step` (an
+instance attribute in `inner.__dict__`); that calls the inner class's
+`update_step` with the instance's `assign`, `assign_add` and `assign_sub`
+replaced in the same way, which record the writes aimed at the variable and
+pass every other write (the slots) through. The step `s = w - w_new` is
+rebuilt from the recorded writes; the variable is left as it was.
+
+What it depends on: every write an optimizer's `update_step` makes to the
+variable goes through `self.assign`, `self.assign_add` or `self.assign_sub`.
+Read from the sources of every optimizer in `keras.optimizers` of Keras
+3.8.0 and 3.15.1, the ends of the supported range (Muon's direct
+`variable.assign` is in its `_apply_weight_decay`, which the wrapper never
+has the inner optimizer run). An optimizer that writes its variable some
+other way (`variable.assign(...)`, or `variable.value.assign(...)` on
+TensorFlow) is not seen, and nothing here detects it (that would take a
+read and a comparison of every variable each step): the variable moves by
+the inner step unscaled and the captured step is zero.
+`tests/backends_rules_test.py::
+test_every_keras_optimizer_writes_its_variable_only_through_assign` checks,
+for every Keras optimizer on each backend, that the captured step equals the
+step an identical optimizer takes and that the variable is left as it was:
+a Keras release that writes another way fails it.
 """
 
 import keras
@@ -23,6 +49,74 @@ from tf_lars._wrapper import InnerOptimizerWrapper
 __all__ = ["TrustRatio"]
 
 _Apply = _kernels.Apply
+
+_WRITES = ("assign", "assign_add", "assign_sub")
+
+
+def step_each_variable(optimizer, update_step, grads, variables, learning_rate):
+    """Runs `optimizer`'s own step with its `update_step` replaced by
+    `update_step` (an instance attribute, removed after).
+
+    The step is the optimizer's own `_backend_update_step`
+    (`_internals.own_update_step`), so the per-step state it advances
+    (Nadam's `_u_product`) moves as it would alone.
+    """
+    step = _internals.own_update_step(optimizer)
+    optimizer.__dict__["update_step"] = update_step
+    try:
+        step(grads, variables, learning_rate)
+    finally:
+        optimizer.__dict__.pop("update_step", None)
+
+
+def captured_step(optimizer, gradient, variable, learning_rate):
+    """The step `s = w - w_new` `optimizer`'s own `update_step` takes for
+    `variable`, its slots updated but `variable` left as it was.
+
+    For the call, `optimizer`'s `assign`, `assign_add` and `assign_sub`
+    record the writes aimed at `variable` and pass every other write (the
+    slots) through (the module docstring says what this relies on). Zeros
+    where the step wrote nothing.
+    """
+    writes = []
+
+    def unwrap(target):
+        # TensorFlow hands `update_step` the `tf.Variable` of a Keras one.
+        if keras.backend.backend() == "tensorflow" and isinstance(
+            target, keras.Variable
+        ):
+            return target.value
+        return target
+
+    def redirect(kind):
+        original = getattr(optimizer, kind)
+
+        def write(target, value):
+            if target is variable or unwrap(target) is unwrap(variable):
+                writes.append((kind, ops.cast(value, variable.dtype)))
+                return None
+            return original(target, value)
+
+        return write
+
+    for kind in _WRITES:
+        optimizer.__dict__[kind] = redirect(kind)
+    try:
+        type(optimizer).update_step(optimizer, gradient, variable, learning_rate)
+    finally:
+        for kind in _WRITES:
+            optimizer.__dict__.pop(kind, None)
+    step = None
+    for kind, value in writes:
+        if kind == "assign_sub":
+            step = value if step is None else step + value
+        elif kind == "assign_add":
+            step = -value if step is None else step - value
+        else:  # a full assign: w_new = value
+            step = ops.convert_to_tensor(variable) - value
+    if step is None:
+        return ops.zeros(variable.shape, variable.dtype)
+    return step
 
 
 def _cast(tensor, dtype):
@@ -222,9 +316,7 @@ class TrustRatio(
         dtype = variable.dtype
         # Step 1 (inner step): the inner optimizer's step s (w_new = w - s),
         # its slots updated as alone; lr d = s, kept as scale 1 times s.
-        step = _internals.captured_step(
-            self.inner_optimizer, gradient, variable, learning_rate
-        )
+        step = captured_step(self.inner_optimizer, gradient, variable, learning_rate)
         key = ("unit", keras.backend.standardize_dtype(dtype))
         scale = self._once_per_step(key, lambda: ops.ones((), dtype))
         # Step 2 (decay): lr u = s + lr wd w.
@@ -256,8 +348,8 @@ class TrustRatio(
 
     def _step_each_variable(self, grads, variables, learning_rate):
         # The inner optimizer's own step, calling this `update_step` for
-        # each variable (`_internals.step_each_variable`).
-        _internals.step_each_variable(
+        # each variable (`step_each_variable`).
+        step_each_variable(
             self.inner_optimizer, self.update_step, grads, variables, learning_rate
         )
 
