@@ -1023,8 +1023,9 @@ def test_inner_learning_rate_beyond_float32_is_refused():
 # One loss scale, wherever it sits: a wrapper that holds one (DiLoCo, AGN)
 # gives the loss scale's own weights, and a second one around it (which
 # `compile` adds under mixed_float16, and would unscale every gradient twice)
-# is refused when the first `fit` builds them. TrustRatio refuses to hold one; LARS, LAMB and TrustRatio train the
-# same whether Keras's `compile` adds the loss scale or tf_lars's wraps them.
+# is refused when the first `fit` builds them. TrustRatio refuses to hold
+# one; LARS, LAMB and TrustRatio train the same whether Keras's `compile`
+# adds the loss scale or tf_lars's wraps them.
 _HOLDERS = {
     # An outer SGD(1) without momentum makes theta the worker's weights.
     "DiLoCo": lambda inner: tf_lars.DiLoCo(
