@@ -130,7 +130,7 @@ def _compiled_steps(contenders, shapes):
 
 # Every benchmark row's optimizer, by row name; a row named
 # "<name>, reduce_sum norms" is <name> with the portable norms
-# (`tf_lars._rules.norms`) in place of TensorFlow's folded ones.
+# (`tf_lars._trust.norms`) in place of TensorFlow's folded ones.
 REFERENCE_NORMS = ", reduce_sum norms"
 # "<name>, direction stored for its norm": a LAMB row whose norm under XLA
 # reads the stored direction (`tf_lars.LAMB.update_step` says why it
@@ -163,36 +163,22 @@ def make_optimizer(name):
     base = name.removesuffix(REFERENCE_NORMS).removesuffix(STORED_DIRECTION)
     optimizer = makers[base]()
     if name.endswith(REFERENCE_NORMS):
-        from tf_lars import _rules
+        from tf_lars import _trust
 
-        with_kernel(optimizer, "norms", _rules.norms)
+        with_method(optimizer, "_norms", _trust.norms)
     if name.endswith(STORED_DIRECTION):
-        with_kernel(optimizer, "recomputes_for_norms", lambda direction: False)
+        with_method(optimizer, "_recomputes_for_norms", lambda direction: False)
     return optimizer
 
 
-def with_kernel(optimizer, name, replacement):
-    """`optimizer`, its steps traced with `tf_lars._kernels.<name>` replaced.
+def with_method(optimizer, name, replacement):
+    """`optimizer` with its method `name` replaced by `replacement`.
 
     A benchmark row's variant (the portable norms, the stored direction):
-    the library has no switch for it, so the benchmark swaps the kernel
-    itself, only while this optimizer's `apply` or `stateless_apply` runs
-    (where a compiled step is traced).
+    the library has no switch for it, so the benchmark overrides the
+    method on this optimizer alone (an instance attribute).
     """
-    from tf_lars import _kernels
-
-    for method in ("apply", "stateless_apply"):
-        original = getattr(optimizer, method)
-
-        def swapped(*args, _original=original, **kwargs):
-            saved = getattr(_kernels, name)
-            setattr(_kernels, name, replacement)
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                setattr(_kernels, name, saved)
-
-        object.__setattr__(optimizer, method, swapped)
+    object.__setattr__(optimizer, name, replacement)
     return optimizer
 
 
@@ -213,7 +199,7 @@ def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=
     steps = _compiled_steps(contenders, shapes)
     if include_reference_norms:
         # The same LARS with each norm as one `reduce_sum(square(x))`: what
-        # `tf_lars._tf_fast` replaces (its docstring says why).
+        # `tf_lars.backend.tensorflow` replaces (its docstring says why).
         steps.update(
             _compiled_steps(
                 _makers(["LARS(weight_decay=1e-4)" + REFERENCE_NORMS]), shapes

@@ -9,7 +9,7 @@ in a fresh process:
 - `phases`: for an optimizer over N tiny variables (`compile_bench`'s), the
   Python trace of `tf.function(jit_compile=True)` of `apply`, then the
   compile of its first call, apart; with `--stacked-rows`, once for each
-  cap on the tensors in one norm stack (`tf_lars._rules.STACKED_ROWS`), and
+  cap on the tensors in one norm stack (`tf_lars._trust.STACKED_ROWS`), and
   with `--kernels` also the number of compiled kernels and the largest
   kernel's LLVM IR (from XLA's dump);
 - `ops`: TensorFlow's lowering of one op type to XLA, `--count` copies of
@@ -64,10 +64,10 @@ def measure_phases(name, count, stacked_rows=None, kernels=False):
         os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
     import tensorflow as tf
 
-    from tf_lars import _rules
+    from tf_lars import _trust
 
     if stacked_rows is not None:
-        _rules.STACKED_ROWS = stacked_rows
+        _trust.STACKED_ROWS = stacked_rows
     optimizer = compile_bench.make_optimizer(name)
     variables = compile_bench.tiny_variables(count)
     optimizer.build(variables)

@@ -4,7 +4,9 @@ Run under any `KERAS_BACKEND` (tensorflow, jax, torch): every check uses
 `keras.ops` and the NumPy references (tests/lars_reference.py,
 tests/lamb_reference.py), never a backend's own API, except the JAX-only
 `stateless_apply` under `jax.jit` and the TensorFlow-only comparison of each
-fast kernel (tf_lars/_tf_fast.py) with the portable rule (tf_lars/_rules.py).
+override of the TensorFlow subclasses (tf_lars/backend/tensorflow.py) with
+the portable rule it overrides (tf_lars/lars.py, trust_ratio.py, lamb.py,
+_trust.py).
 Modes: an eager `apply`; `stateless_apply` under `jax.jit` (JAX);
 `model.fit` with `jit_compile=True` (TensorFlow, JAX) and `False`.
 """
@@ -23,7 +25,7 @@ import tf_lars
 from tests import benchmark_scripts
 from tests import lamb_reference as ref
 from tests import lars_reference as lars_ref
-from tf_lars import _internals, _kernels, _rules, trust_ratio
+from tf_lars import _internals, _trust, lamb, lars, trust_ratio
 
 BACKEND = keras.backend.backend()
 STEPS = 3
@@ -38,7 +40,7 @@ ONLY_COMPILED = pytest.mark.skipif(
 if BACKEND == "tensorflow":  # the fast kernels' tests (ONLY_TENSORFLOW)
     import tensorflow as tf
 
-    from tf_lars import _tf_fast
+    from tf_lars.backend import tensorflow as tf_backend
 
 # ------------------------------------------------------------- references
 
@@ -230,10 +232,10 @@ def test_norms_keep_their_range(which, scale):
     weights = lars_ref.extreme_values(scale)
     grads = lars_ref.extreme_values(1.0, seed=1)
     want_norms = [np.linalg.norm(w.astype(np.float64)) for w in weights + grads]
-    got = _rules.norms([ops.convert_to_tensor(x) for x in weights + grads])
+    got = _trust.norms([ops.convert_to_tensor(x) for x in weights + grads])
     np.testing.assert_allclose(ops.convert_to_numpy(got), want_norms, rtol=1e-5)
     if which.startswith("lars"):
-        # "decayed": the norm of g + wd w, a function of `_rules.apart`
+        # "decayed": the norm of g + wd w, a function of `_trust.apart`
         # values that the range check's branch calls again.
         trust_ratio = "decayed" if which == "lars_decayed" else "paper"
         optimizer = tf_lars.LARS(
@@ -265,7 +267,7 @@ def test_norms_keep_their_range(which, scale):
 def test_apart_keeps_the_values_and_on_jax_is_a_barrier(monkeypatch):
     a = ops.convert_to_tensor([1.0, -2.0])
     b = ops.convert_to_tensor([[3.0]])
-    got = _rules.apart([a, b])
+    got = _trust.apart([a, b])
     assert len(got) == 2
     np.testing.assert_array_equal(ops.convert_to_numpy(got[0]), [1.0, -2.0])
     np.testing.assert_array_equal(ops.convert_to_numpy(got[1]), [[3.0]])
@@ -294,7 +296,7 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier(monkeypatch):
     # LAMB's recomputed direction (sized as a large model) reads its scalars
     # through the barrier; a small direction is stacked for its norm and read
     # as stored (`LAMB.update_step`), so it has nothing to keep apart.
-    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
     assert "optimization_barrier" in traced_step(tf_lars.LAMB(0.1), (64, 128))
     assert "optimization_barrier" not in traced_step(tf_lars.LAMB(0.1), (4, 3))
 
@@ -307,7 +309,7 @@ def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
     # at the extreme scales); eagerly it reads the stored direction. Both
     # give the reference's steps and the same ratios (sized as a large
     # model, where it recomputes).
-    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
     start = lars_ref.extreme_values(scale)
     grads = [lars_ref.extreme_values(1.0, seed=1 + i) for i in range(STEPS)]
     results, asked = [], {}
@@ -315,11 +317,13 @@ def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
         optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
 
         def spy(direction, recompute=recompute):
-            decided = _rules.recomputes_for_norms(direction)
+            decided = _trust.recomputes_for_norms(direction)
             asked.setdefault(recompute, []).append(decided)
             return decided and recompute
 
-        monkeypatch.setattr(_kernels, "recomputes_for_norms", spy)
+        monkeypatch.setattr(
+            type(optimizer), "_recomputes_for_norms", lambda self, d, s=spy: s(d)
+        )
         trainable, ratios = run_stateless_jit(optimizer, grads, start)
         results.append((trainable, np.asarray(ratios)))
     assert asked[True] and all(asked[True])  # traced: every variable recomputes
@@ -378,7 +382,7 @@ def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
     # costs"). Two variables of one shape, as in a model, where XLA would
     # share a broadcast between them; LAMB sized as a large model (it
     # stores its direction in small ones: the test below).
-    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
     hlo_traffic = benchmark_scripts.load("hlo_traffic")
     optimizer = make()
     variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
@@ -395,7 +399,7 @@ def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
 @pytest.mark.parametrize("rows", [1024, 4096])
 def test_lamb_recomputes_its_direction_only_in_large_models(rows):
     # Under XLA LAMB's norm computes the direction again only in models of
-    # at least `_rules.RECOMPUTED_FROM` parameters; in a smaller one it stores
+    # at least `_trust.RECOMPUTED_FROM` parameters; in a smaller one it stores
     # the direction (a temporary as large as the variable), which measured
     # faster while the tensors stay in the CPU's caches.
     hlo_traffic = benchmark_scripts.load("hlo_traffic")
@@ -403,7 +407,7 @@ def test_lamb_recomputes_its_direction_only_in_large_models(rows):
     variables = [keras.Variable(np.full((rows, 1024), 0.01, "float32"))]
     grads = [ops.full((rows, 1024), 1e-3)]
     text = _compiled_step_hlo(optimizer, variables, grads)
-    large = rows * 1024 >= _rules.RECOMPUTED_FROM
+    large = rows * 1024 >= _trust.RECOMPUTED_FROM
     assert large == (rows == 4096)
     stored = hlo_traffic.temporaries(text, at_least=rows * 1024 * 4)
     assert (stored == []) == large, stored
@@ -411,14 +415,14 @@ def test_lamb_recomputes_its_direction_only_in_large_models(rows):
 
 def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
     # Eager steps (PyTorch, eager JAX) read the stored direction; a traced
-    # JAX step recomputes it (the TensorFlow rule is `_tf_fast`'s).
+    # JAX step recomputes it (the TensorFlow subclass's: under XLA).
     eager = ops.convert_to_tensor([1.0, 2.0])
-    assert _rules.recomputes_for_norms(eager) is False
+    assert _trust.recomputes_for_norms(eager) is False
     if BACKEND == "jax":
         import jax
 
         seen = []
-        jax.jit(lambda x: seen.append(_rules.recomputes_for_norms(x)) or x)(eager)
+        jax.jit(lambda x: seen.append(_trust.recomputes_for_norms(x)) or x)(eager)
         assert seen == [True]
 
 
@@ -427,10 +431,10 @@ def test_one_trust_ratio_rule():
     # caller says the ratio is undefined.
     weight = ops.convert_to_tensor([3.0, 0.0, 2.0, 2.0])
     update = ops.convert_to_tensor([4.0, 1.0, 0.0, 1.0])
-    got = _rules.trust_ratio(weight, update, 0.5, 1.0)
+    got = _trust.trust_ratio(weight, update, 0.5, 1.0)
     np.testing.assert_allclose(ops.convert_to_numpy(got), [0.3, 1.0, 1.0, 0.5])
     defined = ops.convert_to_tensor([True, True, True, False])
-    got = _rules.trust_ratio(weight, update, 0.5, 1.0, defined)
+    got = _trust.trust_ratio(weight, update, 0.5, 1.0, defined)
     np.testing.assert_allclose(ops.convert_to_numpy(got), [0.3, 0.0, 1.0, 1.0])
 
 
@@ -597,8 +601,8 @@ def test_tf_norms_equal_the_portable_norms(scale, tracer):
         tf.constant(rng.uniform(-1, 1, size=s).astype("float32") * scale / 100)
         for s in KERNEL_SHAPES
     ] + [tf.zeros((3,))]
-    fast = _traced(tracer, _tf_fast.norms)(tensors)
-    portable = _traced(tracer, _rules.norms)(tensors)
+    fast = _traced(tracer, tf_backend.norms)(tensors)
+    portable = _traced(tracer, _trust.norms)(tensors)
     want = [np.linalg.norm(t.numpy().astype(np.float64)) for t in tensors]
     np.testing.assert_allclose(fast.numpy(), want, rtol=2e-6)
     np.testing.assert_allclose(fast.numpy(), portable.numpy(), rtol=2e-6)
@@ -616,8 +620,8 @@ def test_tf_entries_equal_the_portable_entries(tracer):
 
     def both(values):
         return (
-            tf.stack(_tf_fast.entries(values, tensors)),
-            tf.stack(_rules.entries(values, tensors)),
+            tf.stack(tf_backend.entries(values, tensors)),
+            tf.stack(_trust.entries(values, tensors)),
         )
 
     fast, portable = _traced(tracer, both)(vector)
@@ -643,18 +647,13 @@ def _slot_pair():
 def test_tf_momentum_step_equals_the_portable_step(nesterov, tracer):
     optimizer, variables, slots, gradient = _slot_pair()
     rate = tf.constant(0.3)
-    for module, variable, slot in zip(
-        (_tf_fast, _rules), variables, slots, strict=True
+    optimizer.nesterov = nesterov
+    assert type(optimizer) is tf_backend.LARS
+    for rule, variable, slot in zip(
+        (tf_backend.LARS, lars.LARS), variables, slots, strict=True
     ):
         step = functools.partial(
-            module.momentum_step,
-            optimizer,
-            variable,
-            slot,
-            gradient,
-            rate,
-            0.9,
-            nesterov,
+            rule._momentum_step, optimizer, variable, slot, gradient, rate
         )
         _traced(tracer, step)()
     np.testing.assert_allclose(slots[0].numpy(), slots[1].numpy(), rtol=1e-6)
@@ -667,9 +666,12 @@ def test_tf_momentum_step_equals_the_portable_step(nesterov, tracer):
 @pytest.mark.parametrize("tracer", TRACERS)
 def test_tf_scaled_step_equals_the_portable_step(tracer):
     optimizer, variables, _, step = _slot_pair()
-    for module, variable in zip((_tf_fast, _rules), variables, strict=True):
+    optimizer = tf_lars.TrustRatio(keras.optimizers.SGD())
+    assert type(optimizer) is tf_backend.TrustRatio
+    rules = (tf_backend.TrustRatio, trust_ratio.TrustRatio)
+    for rule, variable in zip(rules, variables, strict=True):
         write = functools.partial(
-            module.scaled_step, optimizer, variable, tf.constant(0.7), step
+            rule._scaled_step, optimizer, variable, tf.constant(0.7), step
         )
         _traced(tracer, write)()
     np.testing.assert_allclose(
@@ -690,8 +692,8 @@ def _lamb_steps(direction_of, start, gradients, decay):
         scale, epsilon, shift = optimizer._adam_scalars(variable.dtype, rate)
         factor = None
         if decay != 0.0:
-            factor = _rules.decay_factor(scale, rate, decay)
-        direction = direction_of(
+            factor = _trust.decay_factor(scale, rate, decay)
+        direction = direction_of._adam_direction(
             optimizer, gradient, variable.value, slots, epsilon, shift, factor
         )
         optimizer.inner_optimizer.iterations.assign_add(1)
@@ -699,8 +701,8 @@ def _lamb_steps(direction_of, start, gradients, decay):
 
     steps = [step(gradient).numpy() for gradient in gradients]
     # The fast path took the fused kernel (its scratch buffer exists).
-    fused = len(_tf_fast.direction_buffers(optimizer))
-    assert fused == (1 if direction_of is _tf_fast.adam_direction else 0)
+    fused = len(tf_backend.direction_buffers(optimizer))
+    assert fused == (1 if direction_of is tf_backend.LAMB else 0)
     return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
 
 
@@ -713,8 +715,8 @@ def test_tf_fused_lamb_direction_equals_the_portable_direction(decay):
     gradients = [
         tf.constant(rng.normal(size=(6, 4)).astype("float32")) for _ in range(2)
     ]
-    fast = _lamb_steps(_tf_fast.adam_direction, start, gradients, decay)
-    portable = _lamb_steps(_rules.adam_direction, start, gradients, decay)
+    fast = _lamb_steps(tf_backend.LAMB, start, gradients, decay)
+    portable = _lamb_steps(lamb.LAMB, start, gradients, decay)
     assert len(fast) == 4  # two steps, m and v
     # 2e-5: the kernel rounds `1 - beta_2` from float32 0.999 (1.3e-5 off
     # 0.001), the portable rule from the Python float.
@@ -742,7 +744,7 @@ def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
     # at the extreme scales): the same steps and ratios as a LAMB whose
     # norm reads the stored direction, and as the reference (sized as a
     # large model, where it recomputes).
-    monkeypatch.setattr(_rules, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
     # (64, 128) folds under XLA; norms <= scale, so they are representable.
     start = lars_ref.extreme_values(scale)
     grads = [
@@ -754,14 +756,14 @@ def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
         optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
         if recompute:
 
-            def spy(direction):
-                recomputed.append(_tf_fast.recomputes_for_norms(direction))
+            def spy(self, direction):
+                recomputed.append(_internals.in_xla_context())
                 return recomputed[-1]
 
-            monkeypatch.setattr(_kernels, "recomputes_for_norms", spy)
+            monkeypatch.setattr(tf_backend.LAMB, "_recomputes_for_norms", spy)
         else:
             monkeypatch.setattr(
-                _kernels, "recomputes_for_norms", lambda direction: False
+                tf_backend.LAMB, "_recomputes_for_norms", lambda self, d: False
             )
         results.append(_xla_apply_steps(optimizer, start, grads))
     assert recomputed and all(recomputed)  # every variable, every trace

@@ -52,6 +52,28 @@ def test_saved_file_continues_as_on_the_backend_that_wrote_it(written_on, name):
         assert float(keras.ops.convert_to_numpy(model.optimizer.loss_scale)) == 2**13
 
 
+@pytest.mark.parametrize("public", ["LARS", "LAMB", "TrustRatio"])
+def test_the_backend_subclass_reads_as_the_public_class(public):
+    # `tf_lars.LARS(...)` constructs its backend's subclass (on TensorFlow
+    # `tf_lars.backend.tensorflow.LARS`), which serializes under the public
+    # class's module, name and registered name, and deserializes to itself.
+    cls = getattr(tf_lars, public)
+    made = cls(keras.optimizers.SGD()) if public == "TrustRatio" else cls()
+    assert isinstance(made, cls)
+    if BACKEND == "tensorflow":
+        from tf_lars.backend import tensorflow as tf_backend
+
+        assert type(made) is getattr(tf_backend, public)
+    else:
+        assert type(made) is cls
+    config = keras.saving.serialize_keras_object(made)
+    assert config["module"] == cls.__module__ == type(made).__module__
+    assert config["class_name"] == public
+    assert config["registered_name"] == f"tf_lars>{public}"
+    again = keras.saving.deserialize_keras_object(config)
+    assert type(again) is type(made) and again.get_config() == made.get_config()
+
+
 def _distribution(case):
     script = pathlib.Path(__file__).resolve().parent / "distribution_script.py"
     env = dict(

@@ -144,19 +144,21 @@ def _imported_modules(path):
     return names
 
 
-RULE_FILES = ("lars.py", "lamb.py", "trust_ratio.py")
+RULE_FILES = ("lars.py", "lamb.py", "trust_ratio.py", "_trust.py")
 
 
-def test_the_rules_never_ask_which_kernels_they_have():
-    # The TensorFlow fast path overrides kernels by name (tf_lars/_kernels.py):
-    # no rule file compares modules, and the portable kernels never import
-    # the TensorFlow ones (no circle between the two).
+def test_the_rules_import_no_backend_fast_path():
+    # The portable rules are `keras.ops`; TensorFlow's fast path is the
+    # subclasses of tf_lars/backend/tensorflow.py, which import the rules
+    # (never the reverse).
     package = ROOT / "tf_lars"
     for name in RULE_FILES:
-        assert "_kernels is" not in (package / name).read_text(), name
-        assert "_tf_fast" not in _imported_modules(package / name), name
-    assert "_tf_fast" not in _imported_modules(package / "_rules.py")
-    assert _imported_modules(package / "_kernels.py") == {"_rules", "_tf_fast"}
+        text = (package / name).read_text()
+        assert "import tensorflow" not in text, name
+        assert "backend.tensorflow" not in text, name
+    assert {"lars", "lamb", "trust_ratio", "_trust"} <= _imported_modules(
+        package / "backend" / "tensorflow.py"
+    )
 
 
 def test_the_rules_hold_no_switch_for_a_benchmark():

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_lars
 from tests import harness
 from tests import lamb_reference as ref
-from tf_lars import _tf_fast
+from tf_lars.backend import tensorflow as tf_backend
 from tf_lars.lars import ALL_1D
 
 SHAPES = [(), (5,), (4, 3), (2, 3, 2, 3)]
@@ -37,7 +37,7 @@ def _close(actual, expected, dtype):
 
 # ------------------------------------------------------- the mapping table
 # "function" (tf.function without XLA) takes LAMB's fused kernel path
-# (`tf_lars._tf_fast.adam_direction`); the other modes compile with XLA.
+# (`tf_lars.backend.tensorflow.adam_direction`); the other modes compile with XLA.
 @pytest.mark.parametrize("mode", ["default", "function"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_row_optax_lamb(dtype, mode):
@@ -170,8 +170,8 @@ def test_fused_path_shares_one_unsaved_buffer_per_shape(tmp_path):
             step([tf.constant(g) for g in step_grads], tf.fill((3, 2), 0.1 * k))
         results[mode] = ([v.numpy() for v in variables], optimizer)
     fused = results["function"][1]
-    assert len(_tf_fast.direction_buffers(fused)) == 2  # (4, 3) and (5,)
-    assert len(_tf_fast.direction_buffers(results["xla"][1])) == 0
+    assert len(tf_backend.direction_buffers(fused)) == 2  # (4, 3) and (5,)
+    assert len(tf_backend.direction_buffers(results["xla"][1])) == 0
     # The same optimizer state (names aside: the two are lamb and lamb_1).
     assert [v.shape for v in fused.variables] == [
         v.shape for v in results["xla"][1].variables

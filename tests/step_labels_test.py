@@ -19,10 +19,10 @@ ALGORITHMS = ROOT / "docs" / "algorithms.md"
 #: (a citation may name another: "LARS's step 5").
 FILES = {
     "tf_lars/lars.py": "LARS",
-    "tf_lars/_tf_fast.py": "LARS",
+    "tf_lars/backend/tensorflow.py": "LARS",
     "tf_lars/lamb.py": "TrustRatio and LAMB",
     "tf_lars/trust_ratio.py": "TrustRatio and LAMB",
-    "tf_lars/_rules.py": "TrustRatio and LAMB",
+    "tf_lars/_trust.py": "TrustRatio and LAMB",
     "tf_lars/loss_scale.py": "Loss scaling",
 }
 _OWNER = {"LARS's": "LARS", "LAMB's": "TrustRatio and LAMB"}

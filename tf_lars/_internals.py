@@ -1,30 +1,15 @@
 """Every private TensorFlow / Keras access tf_lars needs, fenced in one place.
 
 Nothing else in tf_lars imports `tensorflow.python`, `keras.src` or
-`tf.__internal__`, reads a `_private` attribute of a TensorFlow or Keras
-object (inherited `self._x` included), or overrides a private Keras method
-other than those in `OVERRIDDEN_HOOKS`; tests/internals_test.py checks it.
-Each accessor's docstring says why no public API serves. Loading an
-optimizer refuses TensorFlow or Keras below `SUPPORTED`'s floor
-(`tf_lars.UnsupportedVersionError`); a newer release runs, and each access
-checks itself where it is used (`tf_lars.MissingInternalError`, naming the
-feature and the installed versions).
-
-Index (the section comments below carry the same numbers):
-
-1. `maybe_merge_call`, `strategy_supports_no_merge_call`: tf.distribute's
-   merge-call switches (LARS, the loss scale).
-2. `no_automatic_dependency_tracking`: untracked attributes (AGN).
-3. `coordinator_of`, `cluster_resolver_of`, `watch_workers` and the
-   `PerWorkerVariable` accessors: the parameter-server strategy's
-   coordinator, its lost and recovered workers, and the worker-local
-   variables of `tf_lars.distribute.ps_agn` (AGN).
-4. `replace_symbolic_build`, `loss_tracker_of`, `set_loss_tracker`: what
-   `tf_lars.distribute.enable_multi_worker_fit` changes on a model.
-5. `in_xla_context`: whether the step being traced is compiled by XLA.
-6. `start_fit_at_epoch`: the epoch a running `fit` starts at.
-7. Keras optimizer members and the hooks in `OVERRIDDEN_HOOKS`.
-8. Release differences inside the supported range, each with its release.
+`tf.__internal__`, reads a `_private` member of a TensorFlow or Keras object,
+or overrides a private Keras method outside `OVERRIDDEN_HOOKS`
+(tests/internals_test.py). Loading an optimizer refuses TensorFlow or Keras
+below `SUPPORTED`'s floor; newer releases run, and each accessor checks
+itself where used (`MissingInternalError` naming the feature and versions).
+Sections: 1 tf.distribute's merge call; 2 untracked attributes; 3 the
+parameter-server coordinator and worker-local variables; 4 multi-worker
+`fit`; 5 XLA; 6 `fit`'s start epoch; 7 Keras optimizer members and hooks;
+8 release differences in the supported range, each with its release.
 """
 
 import functools
@@ -36,21 +21,14 @@ import keras
 from tf_lars.errors import MissingInternalError, UnsupportedVersionError
 
 if keras.backend.backend() == "tensorflow":
-    # Already imported by Keras: free. On the other backends TensorFlow is
-    # needed only by the TensorFlow-only features (AGN, tf_lars.distribute),
-    # which import it themselves.
+    # Already imported by Keras; elsewhere only AGN and distribute need it.
     import tensorflow as tf
 else:
     tf = None
 
-#: The range tf_lars supports, as (floor, newest tested) `major.minor` pairs.
-#: Below the floor `import tf_lars` refuses; above the newest tested release
-#: it imports and runs, and each private access below checks itself where it
-#: is used.
-#: Keras 3.5 to 3.7 are out: their `model.fit` on several replicas does not
-#: divide the loss by the number of replicas (Keras 3.8 does), so LARS's
-#: unadapted biases step with twice the gradient and diverge (measured with
-#: tests/mirrored_script.py; docs/guides/versions.md).
+#: (floor, newest tested) `major.minor`. Keras 3.5 to 3.7 are out: their
+#: `fit` on several replicas does not divide the loss by the replica count
+#: (docs/guides/versions.md).
 SUPPORTED = {"tensorflow": ((2, 16), (2, 21)), "keras": ((3, 8), (3, 15))}
 
 
@@ -68,11 +46,7 @@ def _range_text(name):
 
 
 def _installed():
-    """{package: version} of what the backend in use needs checked.
-
-    TensorFlow only on its backend: on JAX and PyTorch it may be absent, or
-    any release, and is never imported.
-    """
+    """{package: version} to check (TensorFlow only on its backend)."""
     if tf is None:
         return {"keras": keras.__version__}
     return {"tensorflow": tf.__version__, "keras": keras.__version__}
@@ -84,16 +58,9 @@ def installed_versions():
 
 
 def check_versions(installed):
-    """Raises `UnsupportedVersionError` if `installed` is below the floor.
-
-    Newer (and unparseable, e.g. custom-built) versions pass: tf_lars cannot
-    know that they break, and each private access checks itself where used.
-
-    Args:
-        installed: dict from package name (`"tensorflow"`, `"keras"`) to its
-            version string; a package left out is not checked (TensorFlow
-            off its backend).
-    """
+    """Raises `UnsupportedVersionError` if `installed` ({package: version};
+    a package left out is not checked) is below the floor; newer and
+    unparseable versions pass."""
     names = [name for name in SUPPORTED if name in installed]
     below = []
     for name in names:
@@ -125,11 +92,7 @@ def _missing(feature, what):
 
 
 def _do_not_convert(function):
-    """`tf.autograph.experimental.do_not_convert` on TensorFlow, else `function`.
-
-    The functions it marks are plain calls with no tensor-dependent Python
-    control flow: converting them would only re-read this file's source.
-    """
+    """`tf.autograph.experimental.do_not_convert` on TensorFlow, else `function`."""
     if tf is None:
         return function
     return tf.autograph.experimental.do_not_convert(function)
@@ -170,26 +133,17 @@ def _private_module(path, feature):
 
 @_do_not_convert
 def maybe_merge_call(fn, strategy, *args):
-    """`fn(strategy, *args)` through a merge call where the strategy needs one.
-
-    LARS computes its trust ratios in replica context and then updates the
-    variables in the strategy's merge call, as Keras's own TensorFlow
-    optimizer does; under strategies that need no merge call
-    (MultiWorkerMirrored) `fn` is called directly. The public
-    `ReplicaContext.merge_call` would force a merge call where the strategy
-    has opted out of it.
-    """
+    """`fn(strategy, *args)` through a merge call where the strategy needs one
+    (`tf.__internal__`; the public `merge_call` would force one where a
+    strategy opted out): LARS's cross-replica update."""
     merge_call = _tf_internal("distribute.interim.maybe_merge_call", "LARS")
     return merge_call(fn, strategy, *args)
 
 
 @_do_not_convert
 def strategy_supports_no_merge_call():
-    """Whether the current strategy updates variables without a merge call.
-
-    The loss scale's finite check branches in replica context where it can,
-    else in cross-replica context; TensorFlow has no public query.
-    """
+    """Whether the current strategy updates without a merge call (the loss
+    scale's finite check); TensorFlow has no public query."""
     supports = _tf_internal(
         "distribute.strategy_supports_no_merge_call", "LossScaleOptimizer"
     )
@@ -200,15 +154,8 @@ def strategy_supports_no_merge_call():
 
 
 def no_automatic_dependency_tracking(method):
-    """Decorator: attributes set inside `method` are not tracked by Keras.
-
-    AGN keeps worker-local variables (never checkpointed) on an optimizer
-    without Keras tracking them into the saved state; Keras exports no
-    public switch.
-
-    Keras's own decorator is looked up when `method` runs, not when tf_lars
-    is imported, so that a Keras without it fails only AGN's `build`.
-    """
+    """Decorator: attributes set inside `method` are not tracked by Keras
+    (AGN's worker-local state); Keras's own decorator, looked up on use."""
 
     @functools.wraps(method)
     def untracked(*args, **kwargs):
@@ -225,20 +172,13 @@ def no_automatic_dependency_tracking(method):
 
 
 def coordinator_of(strategy):
-    """The `ClusterCoordinator` created for `strategy`, or None.
-
-    TensorFlow keeps that link only in `strategy._cluster_coordinator`;
-    worker-local variables need the coordinator.
-    """
+    """`strategy._cluster_coordinator`: the `ClusterCoordinator`, or None."""
     return getattr(strategy, "_cluster_coordinator", None)
 
 
 def cluster_resolver_of(strategy):
-    """The strategy's `ClusterResolver` (public property first), or None.
-
-    `ParameterServerStrategy` 2.21 keeps its resolver only in
-    `_cluster_resolver` (the public property returns None).
-    """
+    """The strategy's `ClusterResolver`; `ParameterServerStrategy` 2.21 keeps it
+    only in `_cluster_resolver` (the public property returns None)."""
     return strategy.cluster_resolver or getattr(strategy, "_cluster_resolver", None)
 
 
@@ -263,25 +203,16 @@ def _tf_modules():
 
 
 def per_worker_variable_class():
-    """TensorFlow's `PerWorkerVariable` (`tensorflow.python.distribute.ps_values`).
-
-    What `tf.Variable(..., per_worker_variable=True)` creates under a
-    `ParameterServerStrategy` with a coordinator; the public entry (documented
-    as experimental) gives no class an optimizer could subclass, and
-    `tf_lars.distribute.ps_agn.WorkerLocalHandle` needs one (see there).
-    """
+    """`ps_values.PerWorkerVariable`, which
+    `tf_lars.distribute.ps_agn.WorkerLocalHandle` subclasses (no public class)."""
     return private_member(
         _tf_modules()["ps_values"], "PerWorkerVariable", _WORKER_LOCAL_FEATURE
     )
 
 
 def reads_the_coordinator_handle():
-    """Whether a per-worker variable is read eagerly or while being saved.
-
-    There its handle is the coordinator's copy; inside a traced function it
-    is a call-time capture. `tensorflow.python.eager.context` and
-    `saved_model.save_context` hold the two tests.
-    """
+    """Whether a per-worker variable is read eagerly or while being saved
+    (its handle is then the coordinator's copy)."""
     modules = _tf_modules()
     return (
         modules["context"].executing_eagerly()
@@ -290,12 +221,8 @@ def reads_the_coordinator_handle():
 
 
 def function_graph_of_branch():
-    """The graph a call-time capture must go to, and the current graph.
-
-    Inside `tf.cond` / `tf.while_loop` bodies (private control-flow graph
-    classes) call-time captures are not forwarded, so the capture goes to
-    the enclosing function's graph: `(that graph, the current graph)`.
-    """
+    """`(enclosing function graph, current graph)`: call-time captures inside
+    `tf.cond` / `tf.while_loop` bodies are not forwarded."""
     graph = _tf_modules()["ops"].get_default_graph()
     function_graph = graph
     while isinstance(function_graph, _control_flow_graphs()):
@@ -305,7 +232,7 @@ def function_graph_of_branch():
 
 @functools.cache
 def _control_flow_graphs():
-    """TensorFlow's `tf.cond` / `tf.while_loop` body graph classes, once."""
+    """TensorFlow's `tf.cond` / `tf.while_loop` body graph classes."""
     graphs = _tf_modules()["control_flow_v2_func_graphs"]
     return tuple(
         private_member(graphs, name, _WORKER_LOCAL_FEATURE)
@@ -320,34 +247,23 @@ def coordinator_handle(variable):
 
 
 def create_per_worker_values(variable):
-    """`PerWorkerVariable._maybe_create_per_worker_vars()`: a copy per worker.
-
-    Creates them on first use and again for a worker that restarted;
-    TensorFlow calls it itself only from its own reads.
-    """
+    """`PerWorkerVariable._maybe_create_per_worker_vars()`: a copy per worker
+    (again for a restarted one)."""
     private_member(variable, "_maybe_create_per_worker_vars", _WORKER_LOCAL_FEATURE)()
 
 
 def per_worker_remote_values(variable):
-    """Each worker's remote value of a `PerWorkerVariable`, in worker order.
-
-    `_per_worker_vars._values`: the public `read_all()` fails as a whole when
-    one worker is down, and `ClusterCoordinator` cannot run a function on a
-    chosen worker, so AGN reads each one on its own.
-    """
+    """`_per_worker_vars._values`, in worker order: `read_all()` fails as a
+    whole when one worker is down."""
     per_worker = private_member(variable, "_per_worker_vars", _WORKER_LOCAL_FEATURE)
     return list(private_member(per_worker, "_values", _WORKER_LOCAL_FEATURE))
 
 
 def watch_workers(coordinator, lost, recovered):
-    """Calls `lost(index, error)` when `coordinator` takes worker `index` for
-    lost, and `recovered(index)` once it has it back.
-
-    `ClusterCoordinator` tells that only in its log records. Its workers'
-    `_on_closure_failure(closure, error)`, `_on_resource_closure_failure(
-    error)` and `_on_worker_recovery()` (TensorFlow 2.21's `Worker`) are
-    where it acts on both; they are wrapped here, on these instances only.
-    """
+    """Calls `lost(index, error)` / `recovered(index)` as `coordinator` loses
+    and regains worker `index`: TensorFlow 2.21's `Worker._on_closure_failure`,
+    `_on_resource_closure_failure` and `_on_worker_recovery`, wrapped on
+    these instances (the coordinator says it only in log records)."""
     feature = "the parameter-server trainer's worker status lines"
     cluster = private_member(coordinator, "_cluster", feature)
     for worker in private_member(cluster, "workers", feature):
@@ -370,11 +286,8 @@ def _reported(method, report):
 
 
 def set_unique_id(variable, unique_id):
-    """Sets `variable._unique_id`, which Keras optimizers key their slots by.
-
-    `PerWorkerVariable` leaves it None for every instance, so two of them
-    would share one slot.
-    """
+    """Sets `variable._unique_id` (Keras keys slots by it; `PerWorkerVariable`
+    leaves it None for every instance)."""
     private_member(variable, "_unique_id", _WORKER_LOCAL_FEATURE)
     variable._unique_id = unique_id
 
@@ -386,18 +299,10 @@ _LOCAL_BUILD_FEATURE = "enable_multi_worker_fit"
 
 
 def replace_symbolic_build(model, build):
-    """Makes `model.fit` / `evaluate` build the model with `build` (this
-    instance only); returns Keras's `Model._symbolic_build(data_batch=...)`.
-
-    Keras 3.15's `fit`/`evaluate` under `MultiWorkerMirroredStrategy` first
-    pass a tuple of `PerReplica` batches to `strategy.reduce("MEAN", ...)`
-    in `Model._maybe_symbolic_build` only to learn their shapes, and the
-    collective ops cannot reduce a tuple ("Attempt to convert a value
-    (PerReplica...) to a Tensor"). No public hook exists: the reduction runs
-    before Keras checks whether anything needs building. `build(iterator=None,
-    data_batch=None)` takes its place as an instance attribute; used only by
-    `tf_lars.distribute.enable_multi_worker_fit`, which users call.
-    """
+    """Makes `fit`/`evaluate` build `model` with `build` (this instance) and
+    returns Keras's `Model._symbolic_build`: Keras 3.15 under MWMS reduces a
+    tuple of `PerReplica` batches in `_maybe_symbolic_build`, which the
+    collective ops cannot (`tf_lars.distribute.enable_multi_worker_fit`)."""
     private_member(model, "_maybe_symbolic_build", _LOCAL_BUILD_FEATURE)
     symbolic_build = private_member(model, "_symbolic_build", _LOCAL_BUILD_FEATURE)
     model._maybe_symbolic_build = build
@@ -411,8 +316,8 @@ def loss_tracker_of(model):
 
 @no_automatic_dependency_tracking
 def set_loss_tracker(model, make_tracker):
-    """Replaces `Model._loss_tracker` by `make_tracker()`, made and set
-    untracked, as `compile` makes and sets it."""
+    """Replaces `Model._loss_tracker` by `make_tracker()`, untracked, as
+    `compile` sets it."""
     private_member(model, "_loss_tracker", _LOCAL_BUILD_FEATURE)
     model._loss_tracker = make_tracker()
 
@@ -421,12 +326,8 @@ def set_loss_tracker(model, make_tracker):
 
 
 def in_xla_context():
-    """Whether the graph being built is compiled by XLA (`jit_compile=True`).
-
-    The norms take the form that is fastest there (`tf_lars._tf_fast`).
-    TensorFlow exposes no public query; a wrong answer costs only speed,
-    never a result.
-    """
+    """Whether the graph being built is compiled by XLA (no public query; a
+    wrong answer costs speed, never a result)."""
     enclosing = _tf_internal("get_enclosing_xla_context", "LARS and LAMB")
     return enclosing() is not None
 
@@ -435,24 +336,13 @@ def in_xla_context():
 
 
 def start_fit_at_epoch(model, epoch):
-    """Makes the running (or next) `fit` start at `epoch`; None: Keras's default.
-
-    `fit` reads `Model._initial_epoch` (`self._initial_epoch or
-    initial_epoch`): the only way a callback can choose the epoch a running
-    `fit` starts at. Keras's own `BackupAndRestore` sets the same attribute.
-    """
+    """Sets `Model._initial_epoch`, which `fit` reads (as Keras's own
+    `BackupAndRestore` does): the epoch a running `fit` starts at."""
     private_member(model, "_initial_epoch", "BackupAndRestore")
     model._initial_epoch = epoch
 
 
 # 7 ---------------------------------------------------------------------------
-# Keras optimizer internals: private members of `keras.optimizers.Optimizer`
-# (TensorFlow backend) and `Adam` that tf_lars's optimizers read or call. An
-# optimizer that updates several variables at once (LARS's batched trust
-# ratios, LAMB's fused Adam step) needs the per-variable index, the slots and
-# the backend's all-reduce; Keras exposes them only to its own subclasses.
-# Each accessor checks that the member is there and names the feature that
-# needs it; a fallback stands where a release lacks it (noted per function).
 
 _OPTIMIZERS = "LARS, LAMB, TrustRatio and LossScaleOptimizer"
 
@@ -509,11 +399,8 @@ def adam_slots(optimizer, index):
 
 
 def overwrites_with_gradient(optimizer, variable):
-    """`Optimizer._overwrite_variable_with_gradient(variable)`.
-
-    Keras 3.11 added the method; before it (3.8 to 3.10) the same rule is
-    the variable's `overwrite_with_gradient` attribute, read here directly.
-    """
+    """`Optimizer._overwrite_variable_with_gradient(variable)` (Keras 3.11+);
+    before it, the variable's `overwrite_with_gradient` attribute."""
     check = getattr(optimizer, "_overwrite_variable_with_gradient", None)
     if check is None:
         return getattr(variable, "overwrite_with_gradient", False)
@@ -521,23 +408,14 @@ def overwrites_with_gradient(optimizer, variable):
 
 
 def keras_update_step(optimizer):
-    """Keras's own `_backend_update_step` of `optimizer`, bound: its loop of
-    `update_step` over the variables (on TensorFlow, across replicas).
-    `tf_lars.LAMB` runs its rule through it, under its own override."""
+    """Keras's `Optimizer._backend_update_step`, bound (LAMB's loop)."""
     return functools.partial(keras.optimizers.Optimizer._backend_update_step, optimizer)
 
 
 def own_update_step(optimizer):
-    """`optimizer`'s own `_backend_update_step`, bound: its loop of
-    `update_step` over the variables (Nadam's `_u_product` advances in it).
-
-    On the torch backend Keras's `TorchParallelOptimizer` (`keras.src.
-    backend.torch.optimizers.torch_parallel_optimizer`) updates every
-    variable with `torch._foreach_*` and never calls `update_step`: its
-    definition is skipped for the next one in the class's MRO (the Keras
-    parent's, which steps variable by variable). `tf_lars.TrustRatio` runs
-    a foreign optimizer's step through it.
-    """
+    """`optimizer`'s own `_backend_update_step`, bound (Nadam advances
+    `_u_product` in it); on torch, skipping Keras's `TorchParallelOptimizer`
+    (Keras 3.15), which never calls `update_step`."""
     parallel = None
     if keras.backend.backend() == "torch":
         module = _private_module(
@@ -552,14 +430,8 @@ def own_update_step(optimizer):
 
 
 def portable_optimizer_config(optimizer):
-    """`keras.saving.serialize_keras_object(optimizer)`, naming the public class.
-
-    The torch backend builds its own subclasses of nine Keras optimizers
-    (`keras.optimizers.SGD()` there is a `keras.src.backend.torch...SGD`, read
-    from Keras 3.15), and Keras records that module, so a file saved there
-    would need PyTorch to load anywhere. Recording `keras.optimizers`, as the
-    other backends do, lets each backend build its own class again.
-    """
+    """`serialize_keras_object(optimizer)` naming `keras.optimizers` where the
+    torch backend's own subclass (Keras 3.15) would record its module."""
     config = keras.saving.serialize_keras_object(optimizer)
     name = config.get("class_name")
     public = getattr(keras.optimizers, name, None) if name else None
@@ -572,9 +444,7 @@ def portable_optimizer_config(optimizer):
     return config
 
 
-#: Keras hook methods tf_lars's optimizers override, with the parameters they
-#: take: a dependency on private names as real as a read. `check_hooks` and
-#: tests/internals_test.py compare them with the installed Keras.
+#: Keras hooks tf_lars overrides, with their parameters (`check_hooks`).
 OVERRIDDEN_HOOKS = {
     "_backend_update_step": ("grads", "trainable_variables", "learning_rate"),
     "_apply_weight_decay": ("variables",),
@@ -583,11 +453,7 @@ OVERRIDDEN_HOOKS = {
 
 
 def check_hooks(optimizer):
-    """Raises `MissingInternalError` unless Keras still calls the hooks as assumed.
-
-    Args:
-        optimizer: a tf_lars optimizer that overrides `OVERRIDDEN_HOOKS`.
-    """
+    """Raises `MissingInternalError` unless Keras calls `OVERRIDDEN_HOOKS` so."""
     base = keras.optimizers.Optimizer
     for name, parameters in OVERRIDDEN_HOOKS.items():
         hook = getattr(base, name, None)
@@ -605,16 +471,10 @@ def check_hooks(optimizer):
 
 
 def building_loss_scale(optimizer):
-    """The `keras.optimizers.LossScaleOptimizer` whose `build` is building
-    `optimizer` as its inner optimizer right now, or None.
-
-    A loss scale around a wrapper that holds one already (DiLoCo, AGN)
-    unscales every gradient twice; `model.compile` adds one under
-    mixed_float16. Keras 3.15's `LossScaleOptimizer.__init__` sets
-    `inner.loss_scale_factor = None`, Keras 3.8's does not (both measured):
-    what every release in the range does is call `inner_optimizer.build`
-    from its own `build`. So the calling frames are read for that `self`.
-    """
+    """The Keras `LossScaleOptimizer` whose `build` is building `optimizer`
+    now, or None: a loss scale around DiLoCo/AGN would unscale twice. Keras
+    3.15 resets `inner.loss_scale_factor`, 3.8 does not; every release
+    builds its inner optimizer from its `build`, so the frames are read."""
     frame = inspect.currentframe().f_back
     for _ in range(8):  # the wrapper's build and a decorator or two above it
         frame = frame.f_back if frame is not None else None
@@ -628,11 +488,8 @@ def building_loss_scale(optimizer):
 
 
 def add_optimizer_variables(optimizer, variables, name, initializer="zeros"):
-    """`Optimizer.add_optimizer_variables`: one slot per model variable.
-
-    Keras 3.11 added it (not in 3.8; 3.11.3 measured); before it, one
-    `add_variable_from_reference` per variable, which is what it does.
-    """
+    """`Optimizer.add_optimizer_variables` (Keras 3.11+); before it, one
+    `add_variable_from_reference` per variable."""
     add = getattr(optimizer, "add_optimizer_variables", None)
     if add is not None:
         return add(variables, name, initializer=initializer)
@@ -643,24 +500,15 @@ def add_optimizer_variables(optimizer, variables, name, initializer="zeros"):
 
 
 def backing_variable(variable):
-    """The `tf.Variable` behind a Keras variable, as the strategy knows it.
-
-    A Keras variable on the TensorFlow backend wraps its `tf.Variable` (its
-    `value`); the strategy's `extended.update` asserts it gets the
-    `tf.Variable` itself (measured: LARS under MirroredStrategy). Anything
-    that already is a `tf.Variable` passes through.
-    """
+    """The `tf.Variable` behind a Keras variable (the strategy's
+    `extended.update` needs it); a `tf.Variable` passes through."""
     if tf is not None and not isinstance(variable, tf.Variable):
         return variable.value
     return variable
 
 
 def finish_wrapper_build(optimizer, var_list):
-    """Runs the base `Optimizer.build` that Keras's `LossScaleOptimizer.build` skips.
-
-    Through Keras 3.11 (3.11.3 measured) that `build` never
-    calls `super().build()`, so the wrapper's `_trainable_variables` stay
-    empty; Keras 3.15 calls it. Runs it where it did not run.
-    """
+    """Runs the base `Optimizer.build` that Keras's `LossScaleOptimizer.build`
+    skips through Keras 3.11 (3.15 calls it)."""
     if not trainable_variables_of(optimizer) and var_list:
         keras.optimizers.Optimizer.build(optimizer, list(var_list))

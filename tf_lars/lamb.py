@@ -13,7 +13,7 @@ import math
 import keras
 from keras import ops
 
-from tf_lars import _internals, _kernels, _rules
+from tf_lars import _internals, _trust
 from tf_lars._validation import check_config_keys, check_learning_rate, check_number
 from tf_lars.trust_ratio import TrustRatio
 
@@ -48,11 +48,11 @@ def _recomputed(slots, variable, epsilon, shift, factor, optimizer):
     """
     m, v = (ops.convert_to_tensor(slot) for slot in slots)
     weights = ops.convert_to_tensor(variable)
-    guarded = _rules.zero_epsilons(optimizer)
+    guarded = _trust.zero_epsilons(optimizer)
 
     def for_norm():
-        kept = _rules.apart([v, epsilon] + ([] if factor is None else [factor]))
-        again = _rules.adam_quotient(m, ops.abs(kept[0]), kept[1], shift, guarded)
+        kept = _trust.apart([v, epsilon] + ([] if factor is None else [factor]))
+        again = _trust.adam_quotient(m, ops.abs(kept[0]), kept[1], shift, guarded)
         return again if factor is None else again + kept[2] * weights
 
     return for_norm
@@ -200,8 +200,7 @@ class LAMB(TrustRatio):
         "TrustRatio and LAMB"."""
         index = _internals.variable_index(self, variable)
         slots = _internals.adam_slots(self.inner_optimizer, index)
-        sparse = _kernels.is_sparse(gradient)
-        decay = 0.0 if sparse else self._variable_weight_decay[index]
+        decay = self._variable_weight_decay[index]
         # Step 1 (inner step): Adam's moments and its step
         # lr * m_hat / (sqrt(v_hat + eps_root) + eps), taken as
         # scale * m / (sqrt(v + shift) + epsilon): the bias corrections
@@ -212,30 +211,46 @@ class LAMB(TrustRatio):
         # with the decay term factor * w, factor = lr wd / scale.
         factor = None
         if decay != 0.0:
-            factor = _rules.decay_factor(scale, learning_rate, decay)
-        direction = _kernels.adam_direction(
-            self, gradient, variable, slots, epsilon, shift, factor
+            factor = _trust.decay_factor(scale, learning_rate, decay)
+        direction = self._adam_direction(
+            gradient, variable, slots, epsilon, shift, factor
         )
-        if sparse:
-            # Step 6 (sparse gradients): Adam's step, no ratio, no decay.
-            self.assign_sub(variable, scale * direction)
-            return
         for_norm = direction
         if (
             self._recomputes
-            and _kernels.recomputes_for_norms(direction)
-            and not _rules.stacks(direction)
+            and self._recomputes_for_norms(direction)
+            and not _trust.stacks(direction)
         ):
             # Under XLA the norm of step 3 (trust ratio) computes the
             # direction again from m, v and w, summed in the pass that reads
             # them, instead of writing it out and reading it back
             # (docs/guides/benchmarks.md): for models of at least
-            # `_rules.RECOMPUTED_FROM` parameters; a small direction is copied
+            # `_trust.RECOMPUTED_FROM` parameters; a small direction is copied
             # into its shape's stack for the norm anyway.
             for_norm = _recomputed(slots, variable, epsilon, shift, factor, self)
         # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
         # w <- w - T * scale * direction.
         self._take_step(index, variable, scale, direction, learning_rate, for_norm)
+
+    def _adam_direction(self, gradient, variable, slots, epsilon, shift, factor):
+        """Steps 1 and 2 (inner step, decay): Adam's moments `slots = (m, v)`
+        updated with `gradient`, and the direction `m / (sqrt(v + shift) +
+        epsilon) + factor * w` (`factor` None: no decay term)."""
+        m, v = slots
+        dtype = variable.dtype
+        # `1 - beta` is rounded once from the Python float: bfloat16 holds
+        # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
+        gradient = ops.cast(gradient, dtype)
+        one_minus_1 = ops.convert_to_tensor(1 - self.beta_1, dtype)
+        one_minus_2 = ops.convert_to_tensor(1 - self.beta_2, dtype)
+        self.assign_add(m, (gradient - m) * one_minus_1)
+        self.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
+        direction = _trust.adam_quotient(
+            m, v, epsilon, shift, _trust.zero_epsilons(self)
+        )
+        if factor is None:
+            return direction
+        return direction + factor * ops.convert_to_tensor(variable)
 
     def build(self, variables):
         """Builds Adam's slots; sizes the model for step 3 (trust ratio)."""
@@ -243,14 +258,14 @@ class LAMB(TrustRatio):
             return
         super().build(variables)
         size = sum(math.prod(variable.shape) for variable in variables)
-        self._recomputes = size >= _rules.RECOMPUTED_FROM
+        self._recomputes = size >= _trust.RECOMPUTED_FROM
 
     def _adam_scalars(self, dtype, learning_rate):
         """`(scale, epsilon, shift)` of step 1 (inner step) in `dtype` (shift
         None without `eps_root`), computed in float32 (float64 for float64
         variables): in bfloat16 `b2**t` rounds to 1 and the scale to 0."""
         adam = self.inner_optimizer
-        scalar = _rules.compute_dtype(dtype)
+        scalar = _trust.compute_dtype(dtype)
 
         def compute():
             step = ops.cast(adam.iterations + 1, scalar)

@@ -3,14 +3,14 @@
 The rule is docs/algorithms.md, section "LARS": `LARS._trust_ratios` takes
 step 2 (trust ratio) of every variable, then `LARS._update` steps 1, 3 and
 4 (decay in the gradient, local rate, momentum) of each, in `keras.ops`.
+On the TensorFlow backend `tf_lars.LARS(...)` constructs the subclass in
+`tf_lars/backend/tensorflow.py` (fused kernels, sparse rows, replicas).
 """
-
-import types
 
 import keras
 from keras import ops
 
-from tf_lars import _internals, _kernels, _rules
+from tf_lars import _internals, _trust
 from tf_lars._exclusions import (
     ALL_1D,
     SOURCE_PATH_ATTRIBUTE,
@@ -24,29 +24,30 @@ from tf_lars._validation import (
     check_learning_rate,
     check_number,
 )
+from tf_lars.backend import BackendSubclass
 
 __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
-
-_Apply = _kernels.Apply
 
 
 def _decayed(gradient, variable, decay, dtype):
     """`g + wd w` for the norm of step 2 (trust ratio), as a function computing it.
 
     Written `g - (-wd) w` (the same values) from `g`, `w` and `-wd` taken
-    `_rules.apart`, so that XLA shares no term with the `g + wd w` of
+    `_trust.apart`, so that XLA shares no term with the `g + wd w` of
     step 4 (momentum) and computes it inside the norm's pass instead of
     writing it out as large as the variable (docs/guides/backends.md, "What
     the JAX step costs"; TensorFlow has no barrier op, hence the negation).
     """
-    gradient, variable, negated = _rules.apart(
+    gradient, variable, negated = _trust.apart(
         [gradient, variable, ops.convert_to_tensor(-decay, dtype)]
     )
     return lambda: gradient - negated * variable
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Optimizer):
+class LARS(
+    BackendSubclass, ShapeCheckedApply, LayerwiseExclusions, keras.optimizers.Optimizer
+):
     """Layer-wise Adaptive Rate Scaling (LARS).
 
     Each dense variable gets its own trust ratio from the norms of the
@@ -202,7 +203,7 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         self.decay_in_gradient = check_bool("decay_in_gradient", decay_in_gradient)
         self.trust_clip = check_bool("trust_clip", trust_clip)
         self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
-        self._init_compiled_apply()
+        self.jit_compile = True  # read by the TensorFlow subclass's eager apply
 
     def build(self, variables):
         """Creates the momentum slots and resolves per-variable exclusions."""
@@ -247,9 +248,9 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         recorded = ops.ones([len(variables)], "float32")
         adapted = {}
         for position, (grad, variable) in enumerate(zip(grads, variables, strict=True)):
-            if _kernels.is_sparse(grad):
+            if not self._is_dense(grad):
                 continue
-            dtype = _rules.compute_dtype(variable.dtype)
+            dtype = _trust.compute_dtype(variable.dtype)
             if self._variable_adapted[indices[position]]:
                 adapted.setdefault(dtype, []).append(position)
             else:
@@ -265,13 +266,13 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
                     _decayed(g, w, decay, dtype) if decay != 0.0 else g
                     for g, w, decay in zip(grads_in_norm, weights, decays, strict=True)
                 ]
-            both = _kernels.norms(weights + grads_in_norm)
+            both = self._norms(weights + grads_in_norm)
             w_norm, g_norm = both[: len(positions)], both[len(positions) :]
             if self.trust_ratio == "paper":  # |g| + wd |w|
                 update_norm = g_norm + ops.convert_to_tensor(decays, dtype) * w_norm
             else:  # |g'|
                 update_norm = g_norm
-            vector = _rules.trust_ratio(
+            vector = _trust.trust_ratio(
                 w_norm,
                 update_norm,
                 self.trust_coefficient,
@@ -279,10 +280,10 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
                 defined=ops.logical_and(w_norm > 0, g_norm > 0),
             )
             for position, ratio in zip(
-                positions, _kernels.entries(vector, weights), strict=True
+                positions, self._entries(vector, weights), strict=True
             ):
                 ratios[position] = ratio
-            recorded = _rules.placed(recorded, positions, ops.cast(vector, "float32"))
+            recorded = _trust.placed(recorded, positions, ops.cast(vector, "float32"))
         return ratios, recorded
 
     def update_step(self, gradient, variable, learning_rate):
@@ -291,14 +292,12 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         self._update(gradient, variable, learning_rate, ratio)
 
     def _update(self, gradient, variable, learning_rate, ratio):
-        """Steps 1, 3 and 4 (decay in the gradient, local rate, momentum), or
-        step 5 (sparse gradients), for one variable given its trust ratio."""
+        """Steps 1, 3 and 4 (decay in the gradient, local rate, momentum) for
+        one variable given its trust ratio (step 5, sparse gradients, is the
+        TensorFlow subclass's)."""
         index = _internals.variable_index(self, variable)
         slot = self.momentums[index] if self.momentum != 0 else None
         dtype = variable.dtype
-        if _kernels.is_sparse(gradient):  # Step 5 (sparse gradients): TensorFlow.
-            _kernels.sparse_momentum_step(self, gradient, variable, learning_rate, slot)
-            return
         # Step 1 (decay in the gradient): coupled weight decay.
         gradient = ops.cast(gradient, dtype)
         decay = self._variable_weight_decay[index]
@@ -314,35 +313,44 @@ class LARS(ShapeCheckedApply, LayerwiseExclusions, _Apply, keras.optimizers.Opti
         if slot is None:
             self.assign_sub(variable, rate * gradient)
         elif self.classic_momentum:  # v <- mu v + r g';  w <- w - v
-            _kernels.momentum_step(
-                self, variable, slot, rate * gradient, ops.ones((), dtype), **self._mu
-            )
+            self._momentum_step(variable, slot, rate * gradient, ops.ones((), dtype))
         else:  # v <- mu v + g';  w <- w - r v
-            _kernels.momentum_step(self, variable, slot, gradient, rate, **self._mu)
+            self._momentum_step(variable, slot, gradient, rate)
 
-    @property
-    def _mu(self):
-        return {"momentum": self.momentum, "nesterov": self.nesterov}
+    def _momentum_step(self, variable, slot, gradient, rate):
+        """`v <- mu v + gradient; w <- w - rate v` (Nesterov: `w <- w - rate
+        (gradient + mu v)` with the new `v`); `gradient` and the scalar
+        `rate` in the variable's dtype."""
+        mu = ops.convert_to_tensor(self.momentum, variable.dtype)
+        velocity = mu * ops.convert_to_tensor(slot) + gradient
+        self.assign(slot, velocity)
+        if self.nesterov:
+            self.assign_sub(variable, rate * (gradient + mu * velocity))
+        else:
+            self.assign_sub(variable, rate * velocity)
+
+    def _is_dense(self, gradient):
+        # Only TensorFlow has sparse gradients (its subclass overrides this).
+        return True
+
+    def _norms(self, tensors):
+        return _trust.norms(tensors)
+
+    def _entries(self, vector, tensors):
+        return _trust.entries(vector, tensors)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Step 2 (trust ratio) for every variable, then for each steps 1, 3
-        # and 4 (decay in the gradient, local rate, momentum) or step 5
-        # (sparse gradients); on TensorFlow across replicas under
-        # tf.distribute.
-        _kernels.update_with_ratios(
-            self,
-            grads,
-            trainable_variables,
-            learning_rate,
-            types.SimpleNamespace(
-                ratios=self._trust_ratios,
-                record=self._record_trust_ratios,
-                update=self._update,
-            ),
-        )
+        # and 4 (decay in the gradient, local rate, momentum).
+        ratios, recorded = self._trust_ratios(grads, trainable_variables)
+        self._record_trust_ratios(trainable_variables, recorded)
+        for gradient, variable, ratio in zip(
+            grads, trainable_variables, ratios, strict=True
+        ):
+            self._update(gradient, variable, learning_rate, ratio)
 
     def _record_trust_ratios(self, variables, recorded):
-        _rules.record_trust_ratios(
+        _trust.record_trust_ratios(
             self, [_internals.variable_index(self, v) for v in variables], recorded
         )
 

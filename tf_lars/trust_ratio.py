@@ -35,7 +35,7 @@ a Keras release that writes another way fails it.
 import keras
 from keras import ops
 
-from tf_lars import _internals, _kernels, _rules
+from tf_lars import _internals, _trust
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
     ShapeCheckedApply,
@@ -45,10 +45,9 @@ from tf_lars._validation import (
     check_number,
 )
 from tf_lars._wrapper import InnerOptimizerWrapper
+from tf_lars.backend import BackendSubclass
 
 __all__ = ["TrustRatio"]
-
-_Apply = _kernels.Apply
 
 _WRITES = ("assign", "assign_add", "assign_sub")
 
@@ -120,7 +119,7 @@ def captured_step(optimizer, gradient, variable, learning_rate):
 
 
 def _cast(tensor, dtype):
-    """`tensor` cast to `dtype`; a function returning it (see `_rules.norms`)
+    """`tensor` cast to `dtype`; a function returning it (see `_trust.norms`)
     stays a function, returning it cast."""
     if callable(tensor):
         return lambda: ops.cast(tensor(), dtype)
@@ -129,10 +128,10 @@ def _cast(tensor, dtype):
 
 @keras.saving.register_keras_serializable(package="tf_lars")
 class TrustRatio(
+    BackendSubclass,
     InnerOptimizerWrapper,
     ShapeCheckedApply,
     LayerwiseExclusions,
-    _Apply,
     keras.optimizers.Optimizer,
 ):
     """A layer-wise trust ratio around any Keras optimizer.
@@ -262,7 +261,7 @@ class TrustRatio(
         self._trust_epsilon = check_number("epsilon", epsilon, low=0.0)
         self.trust_clip = check_bool("trust_clip", trust_clip)
         self._init_exclusions(exclude_from_weight_decay, exclude_from_layer_adaptation)
-        self._init_compiled_apply()
+        self.jit_compile = True  # read by the TensorFlow subclass's eager apply
 
     # ----------------------------------------------------------------- state
     def build(self, variables):
@@ -302,15 +301,9 @@ class TrustRatio(
 
     # ------------------------------------------------------- the update rule
     def update_step(self, gradient, variable, learning_rate):
-        """Steps 1 to 6 (inner step, decay, trust ratio, clip, update, sparse
-        gradients) for one variable, around the inner `update_step`."""
-        if _kernels.is_sparse(gradient):
-            # Step 6 (sparse gradients): the inner optimizer's own update, on
-            # the gradient with repeated rows summed.
-            inner = self.inner_optimizer
-            gradient = _kernels.summed_rows(gradient)
-            type(inner).update_step(inner, gradient, variable, learning_rate)
-            return
+        """Steps 1 to 5 (inner step, decay, trust ratio, clip, update) for one
+        variable, around the inner `update_step` (step 6, sparse gradients:
+        the TensorFlow subclass's)."""
         index = _internals.variable_index(self, variable)
         decay = self._variable_weight_decay[index]
         dtype = variable.dtype
@@ -321,18 +314,18 @@ class TrustRatio(
         scale = self._once_per_step(key, lambda: ops.ones((), dtype))
         # Step 2 (decay): lr u = s + lr wd w.
         if decay != 0.0:
-            factor = _rules.decay_factor(scale, learning_rate, decay)
+            factor = _trust.decay_factor(scale, learning_rate, decay)
             step = step + factor * ops.convert_to_tensor(variable)
         # Steps 3 to 5 (trust ratio, clip, update).
         self._take_step(index, variable, scale, step, learning_rate)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        # Outside `tf.distribute` (`_kernels.batches_trust_ratios`),
+        # Where `_batches_trust_ratios()` (outside `tf.distribute`),
         # `_take_step` defers steps 3 to 5 (trust ratio, clip, update) to one
         # `_take_steps` over every variable, and `_once_per_step` computes
         # the per-step scalars once (both kept in `__dict__`, out of Keras's
         # and TensorFlow's tracking).
-        if _kernels.batches_trust_ratios(grads):
+        if self._batches_trust_ratios():
             self.__dict__.update(_deferred_steps=[], _step_scalars={})
         try:
             self._step_each_variable(grads, trainable_variables, learning_rate)
@@ -382,7 +375,7 @@ class TrustRatio(
                 return
             self._take_steps([step])
             return
-        _kernels.scaled_step(self, variable, scale, direction)
+        self._scaled_step(variable, scale, direction)
 
     def _take_steps(self, steps):
         """`_take_step` of adapted variables, as `(index, variable, scale,
@@ -390,13 +383,13 @@ class TrustRatio(
         record per compute dtype."""
         by_dtype = {}
         for step in steps:
-            by_dtype.setdefault(_rules.compute_dtype(step[1].dtype), []).append(step)
+            by_dtype.setdefault(_trust.compute_dtype(step[1].dtype), []).append(step)
         for group in by_dtype.values():
             indices, variables, scales, directions, rates, for_norms = zip(
                 *group, strict=True
             )
             ratios = self._step_trust_ratios(variables, for_norms, scales, rates[0])
-            _rules.record_trust_ratios(self, list(indices), ratios)
+            _trust.record_trust_ratios(self, list(indices), ratios)
             self._write_steps(variables, scales, directions, ratios)
 
     def _write_steps(self, variables, scales, directions, ratios):
@@ -410,11 +403,11 @@ class TrustRatio(
             variables,
             scales,
             directions,
-            _kernels.entries(ratios, variables),
+            self._entries(ratios, variables),
             strict=True,
         ):
             scale = ops.cast(ratio, variable.dtype) * scale
-            _kernels.scaled_step(self, variable, scale, direction)
+            self._scaled_step(variable, scale, direction)
 
     def _step_trust_ratios(self, variables, directions, scales, learning_rate):
         """Step 3 (trust ratio) for variables of one compute dtype, as one
@@ -422,9 +415,9 @@ class TrustRatio(
 
         `directions`: tensors, or functions returning them (see `norms`).
         """
-        compute = _rules.compute_dtype(variables[0].dtype)
+        compute = _trust.compute_dtype(variables[0].dtype)
         count = len(variables)
-        both = _kernels.norms(
+        both = self._norms(
             [ops.cast(variable, compute) for variable in variables]
             + [_cast(direction, compute) for direction in directions]
         )
@@ -439,12 +432,30 @@ class TrustRatio(
         rate = ops.cast(learning_rate, compute)
         defined = ops.logical_and(w_norm > 0, ops.logical_and(step_norm > 0, rate > 0))
         u_norm = step_norm / ops.where(defined, rate, ops.ones_like(rate))
-        ratio = _rules.trust_ratio(
+        ratio = _trust.trust_ratio(
             w_norm, u_norm, self.trust_coefficient, self._trust_epsilon, defined
         )
         if self.trust_clip:
             ratio = ops.minimum(ratio, ops.ones_like(ratio))
         return ratio
+
+    def _scaled_step(self, variable, scale, step):
+        """`w <- w - scale * step` (`scale` a scalar of the variable's dtype)."""
+        self.assign_sub(variable, scale * step)
+
+    def _norms(self, tensors):
+        return _trust.norms(tensors)
+
+    def _entries(self, vector, tensors):
+        return _trust.entries(vector, tensors)
+
+    def _batches_trust_ratios(self):
+        # Steps 3 to 5 of every variable at once: one `norms` call and one
+        # record per step (the TensorFlow subclass: not under tf.distribute).
+        return True
+
+    def _recomputes_for_norms(self, direction):
+        return _trust.recomputes_for_norms(direction)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Keras's `stateless_apply` (what the JAX trainer calls); refused on

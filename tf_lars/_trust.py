@@ -1,10 +1,11 @@
-"""The kernels LARS, TrustRatio and LAMB share, in `keras.ops` (every backend).
+"""The only rule code LARS, TrustRatio and LAMB share, in `keras.ops`.
 
-docs/algorithms.md states the rules; `lars.py`, `trust_ratio.py` and
-`lamb.py` follow it step by step and call these through `tf_lars/_kernels.py`,
-which takes the TensorFlow backend's overrides of the same name and
-signature from `tf_lars/_tf_fast.py` (tests/backends_rules_test.py holds
-the two equal).
+Norms (with the overflow-safe rescaled fallback), the trust ratio and its
+record, and Adam's quotient. docs/algorithms.md states the rules; each
+rule file (`lars.py`, `trust_ratio.py`, `lamb.py`) calls these. The
+TensorFlow backend's subclasses (`tf_lars/backend/tensorflow.py`) pass their
+own `sum_of_squares` to `norms`; tests/backends_rules_test.py holds the two
+equal.
 """
 
 import math
@@ -19,11 +20,6 @@ def compute_dtype(dtype):
     return (
         "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
     )
-
-
-def is_sparse(gradient):
-    """Only the TensorFlow backend has sparse gradients (`tf.IndexedSlices`)."""
-    return False
 
 
 # ------------------------------------------------------------------- norms
@@ -42,8 +38,8 @@ RECOMPUTED_FROM = 2**22
 
 
 def sum_of_squares(tensor):
-    """`sum(x**2)` of one tensor as a scalar; the TensorFlow backend
-    overrides it (`tf_lars._tf_fast.sum_of_squares`)."""
+    """`sum(x**2)` of one tensor as a scalar (the TensorFlow backend passes
+    its own to `norms`: `tf_lars.backend.tensorflow.sum_of_squares`)."""
     return ops.sum(ops.square(tensor))
 
 
@@ -66,16 +62,6 @@ def recomputes_for_norms(tensor):
     import jax
 
     return isinstance(tensor, jax.core.Tracer)
-
-
-def batches_trust_ratios(gradients):
-    """Whether `TrustRatio` takes steps 3 to 5 (trust ratio, clip, update)
-    of every variable a step updates at once: one `norms` call (one range
-    check) and one record per step, on every backend; the TensorFlow
-    backend's `tf.distribute` steps each variable in its own update context
-    (`tf_lars._tf_fast.batches_trust_ratios`)."""
-    del gradients
-    return True
 
 
 def apart(tensors):
@@ -247,37 +233,6 @@ def record_trust_ratios(optimizer, indices, ratios):
 # ----------------------------------------------------------------- writes
 
 
-def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov):
-    """`v <- mu v + gradient; w <- w - rate v` (Nesterov: `w <- w - rate
-    (gradient + mu v)`, with the new `v`), written by `optimizer.assign*`;
-    `gradient` and the scalar `rate` in the variable's dtype, `momentum` the
-    float `mu`."""
-    mu = ops.convert_to_tensor(momentum, variable.dtype)
-    velocity = mu * ops.convert_to_tensor(slot) + gradient
-    optimizer.assign(slot, velocity)
-    if nesterov:
-        optimizer.assign_sub(variable, rate * (gradient + mu * velocity))
-    else:
-        optimizer.assign_sub(variable, rate * velocity)
-
-
-def scaled_step(optimizer, variable, scale, step):
-    """`w <- w - scale * step` (`scale` a scalar tensor of the variable's dtype)."""
-    optimizer.assign_sub(variable, scale * step)
-
-
-def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
-    """LARS's step: `rule.ratios(grads, variables)` gives every variable's
-    trust ratio and the vector `rule.record(variables, vector)` records,
-    then `rule.update(gradient, variable, learning_rate, ratio)` updates
-    each variable (`tf_lars._tf_fast.update_with_ratios`: across replicas)."""
-    del optimizer  # the rule's methods are bound to it
-    ratios, recorded = rule.ratios(grads, variables)
-    rule.record(variables, recorded)
-    for gradient, variable, ratio in zip(grads, variables, ratios, strict=True):
-        rule.update(gradient, variable, learning_rate, ratio)
-
-
 def decay_factor(scale, learning_rate, decay):
     """`lr * wd / scale`, so that `lr (d + wd w) = scale * (d' + factor * w)`
     for a step kept as `scale * d'` (0 where scale is 0: nothing moves)."""
@@ -310,40 +265,3 @@ def adam_quotient(m, v, epsilon, shift, guarded):
             denominator > 0, denominator, ops.ones_like(denominator)
         )
     return m / denominator
-
-
-def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor):
-    """LAMB's steps 1 and 2 (inner step, decay) for one variable: Adam's
-    moments `slots = (m, v)` updated with `gradient`, and the direction
-    `adam_quotient(m, v, ...) + factor * w` (`factor` None: no decay term).
-
-    `optimizer` is the `tf_lars.LAMB` (its `beta_1`, `beta_2`, `epsilon`,
-    `eps_root`; its `assign_add` writes). `tf_lars._tf_fast.adam_direction`
-    takes sparse gradients and, without XLA, runs TensorFlow's fused Adam
-    kernel.
-    """
-    m, v = slots
-    dtype = variable.dtype
-    # `1 - beta` is rounded once from the Python float: bfloat16 holds
-    # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
-    gradient = ops.cast(gradient, dtype)
-    one_minus_1 = ops.convert_to_tensor(1 - optimizer.beta_1, dtype)
-    one_minus_2 = ops.convert_to_tensor(1 - optimizer.beta_2, dtype)
-    optimizer.assign_add(m, (gradient - m) * one_minus_1)
-    optimizer.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
-    direction = adam_quotient(m, v, epsilon, shift, zero_epsilons(optimizer))
-    if factor is None:
-        return direction
-    return direction + factor * ops.convert_to_tensor(variable)
-
-
-class PlainApply:
-    """`apply` as Keras has it; `tf_lars._tf_fast.CompiledApply` on TensorFlow."""
-
-    def _init_compiled_apply(self):
-        # Kept on every backend so configs and code that set it still run;
-        # only the TensorFlow backend's eager `apply` reads it.
-        self.jit_compile = True
-
-
-Apply = PlainApply

@@ -1,24 +1,26 @@
-"""The TensorFlow backend's fast path for LARS, TrustRatio and LAMB.
+"""The TensorFlow backend's subclasses of LARS, TrustRatio and LAMB.
 
-Imported only on the TensorFlow backend (`tf_lars/_kernels.py`). Each
-function here overrides the portable kernel of the same name and signature
-in `tf_lars/_rules.py` and gives its numbers (tests/backends_rules_test.py
-calls both and compares); `python benchmarks/bench.py` measures what each
-saves (docs/guides/benchmarks.md, "Speed"):
+Keras's own pattern for a backend's fast path (`keras/src/backend/torch/
+optimizers/torch_adam.py` subclasses `Adam`): `tf_lars.LARS(...)` on the
+TensorFlow backend constructs `LARS` below (`tf_lars/backend/__init__.py`),
+which overrides methods of the portable rule with what TensorFlow runs
+faster or has alone. tests/backends_rules_test.py holds each override equal
+to the portable rule; `python benchmarks/bench.py` measures what each saves
+(docs/guides/benchmarks.md, "Speed"):
 
 1. **Norms** (`sum_of_squares`): under XLA a large tensor's squares are
    folded into a `[rows, width]` matrix times a vector of ones (XLA's
    multi-threaded matrix-vector kernel, where a full reduction is one
    serial loop); without XLA, one `MatMul` of the flat tensor with itself.
-2. **Fused writes** (`momentum_step`, `scaled_step`, `adam_direction`):
+2. **Fused writes** (`_momentum_step`, `_scaled_step`, `_adam_direction`):
    TensorFlow's `ResourceApplyMomentum`, `ResourceApplyGradientDescent` and
    `ResourceApplyAdam` update a slot and a variable in one pass.
 3. **Compiled eager apply** (`CompiledApply`): an eager `apply` runs as one
    `tf.function(jit_compile=True)`, traced once per list of variables.
 4. **Sparse gradients** (`tf.IndexedSlices`, only TensorFlow has them):
-   LARS's row-wise momentum (`sparse_momentum_step`), LAMB's sparse Adam
-   moments (`adam_direction`), and LARS's cross-replica step under
-   `tf.distribute` (`update_with_ratios`).
+   LARS's row-wise momentum (step 5), LAMB's sparse Adam moments,
+   TrustRatio's inner step on summed rows; and LARS's cross-replica step
+   under `tf.distribute`.
 5. **Ratio entries at runtime positions** (`entries`), a compile-time
    matter: updates of small variables of one shape compile to one kernel.
 """
@@ -28,7 +30,8 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tf_lars import _internals, _rules
+from tf_lars import _internals, _trust, lamb, lars, trust_ratio
+from tf_lars._validation import check_gradient_shapes
 from tf_lars._wrapper import gradient_as_tensor
 
 
@@ -54,7 +57,7 @@ def _fold_width(size):
 
 
 def sum_of_squares(tensor):
-    """`tf_lars._rules.sum_of_squares`: under XLA the squares folded into a
+    """`tf_lars._trust.sum_of_squares`: under XLA the squares folded into a
     `[rows, width]` matrix times a vector of ones; elsewhere one `MatMul` of
     the flat tensor with itself (reads it once, makes no temporary)."""
     size = tensor.shape.num_elements()
@@ -71,25 +74,12 @@ def sum_of_squares(tensor):
     return tf.reduce_sum(partial)
 
 
-def recomputes_for_norms(tensor):
-    """Under XLA (`jit_compile`): `tf_lars._rules.recomputes_for_norms`."""
-    del tensor  # the XLA context decides
-    return _internals.in_xla_context()
-
-
-def batches_trust_ratios(gradients):
-    """`tf_lars._rules.batches_trust_ratios`, outside `tf.distribute` (a
-    strategy steps each variable in its own update context)."""
-    del gradients
-    return not tf.distribute.has_strategy()
-
-
 # Eager int32 scalars 0, 1, 2, ... (`entries`), made once per process.
 _POSITIONS = []
 
 
 def entries(vector, tensors):
-    """`tf_lars._rules.entries`; under XLA a small variable's (`_rules.stacks`)
+    """`tf_lars._trust.entries`; under XLA a small variable's (`_trust.stacks`)
     at a position that is a runtime input of the program (a captured eager
     scalar), not the fixed offset `k`.
 
@@ -99,28 +89,28 @@ def entries(vector, tensors):
     fixed offset: read at runtime positions, LARS's XLA step was slower.
     """
     if not _internals.in_xla_context():
-        return _rules.entries(vector, tensors)
+        return _trust.entries(vector, tensors)
     with tf.init_scope():
         if not tf.executing_eagerly():
-            return _rules.entries(vector, tensors)
+            return _trust.entries(vector, tensors)
         while len(_POSITIONS) < len(tensors):
             _POSITIONS.append(tf.constant(len(_POSITIONS), tf.int32))
     return [
-        tf.gather(vector, _POSITIONS[k]) if _rules.stacks(tensor) else vector[k]
+        tf.gather(vector, _POSITIONS[k]) if _trust.stacks(tensor) else vector[k]
         for k, tensor in enumerate(tensors)
     ]
 
 
 def norms(tensors):
-    """`tf_lars._rules.norms` with `sum_of_squares` for each large tensor."""
-    return _rules.norms(tensors, sum_of_squares)
+    """`tf_lars._trust.norms` with `sum_of_squares` for each large tensor."""
+    return _trust.norms(tensors, sum_of_squares)
 
 
 # -------------------------------------------------------------- 2. fused writes
 
 
 def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov):
-    """`_rules.momentum_step` in one `ResourceApplyMomentum` pass (the
+    """`tf_lars.lars.LARS._momentum_step` in one `ResourceApplyMomentum` pass (the
     kernel writes `variable`, a `keras.Variable` or `tf.Variable`, itself)."""
     target = variable.value if isinstance(variable, keras.Variable) else variable
     tf.raw_ops.ResourceApplyMomentum(
@@ -135,7 +125,7 @@ def momentum_step(optimizer, variable, slot, gradient, rate, momentum, nesterov)
 
 
 def scaled_step(optimizer, variable, scale, step):
-    """`_rules.scaled_step` in one `ResourceApplyGradientDescent` pass,
+    """`TrustRatio._scaled_step` in one `ResourceApplyGradientDescent` pass,
     which writes `w` in place (two ops make and read back a temporary)."""
     target = variable.value if isinstance(variable, keras.Variable) else variable
     tf.raw_ops.ResourceApplyGradientDescent(
@@ -189,37 +179,6 @@ def summed_rows(gradient, dtype=None):
     return tf.IndexedSlices(summed, rows, gradient.dense_shape)
 
 
-def update_with_ratios(optimizer, grads, variables, learning_rate, rule):
-    """`tf_lars._rules.update_with_ratios` under any `tf.distribute` strategy:
-    the ratios of the gradients summed across replicas, in replica context
-    (the same on every replica), then each variable's update through the
-    strategy, as Keras's own TensorFlow optimizer does."""
-    tf_variables = [_internals.backing_variable(v) for v in variables]
-    grads_and_vars = _internals.all_reduce_sum_gradients(
-        optimizer, list(zip(grads, tf_variables))
-    )
-    grads = [g for g, _ in grads_and_vars]
-    ratios, recorded = rule.ratios(grads, tf_variables)
-    rule.record(tf_variables, recorded)
-
-    def update(distribution, grads_and_vars, ratios, learning_rate):
-        for (gradient, variable), ratio in zip(grads_and_vars, ratios, strict=True):
-            distribution.extended.update(
-                variable,
-                lambda v, g, r, lr: rule.update(g, v, lr, r),
-                args=(gradient, ratio, learning_rate),
-                group=False,
-            )
-
-    _internals.maybe_merge_call(
-        update,
-        _internals.distribution_strategy(optimizer),
-        grads_and_vars,
-        ratios,
-        learning_rate,
-    )
-
-
 # ------------------------------------------------------ 5. LAMB's Adam direction
 
 # LAMB's scratch buffers, by optimizer: one `tf.Variable` per variable shape
@@ -234,8 +193,10 @@ def direction_buffers(optimizer):
     return _BUFFERS.setdefault(optimizer, {})
 
 
-def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor):
-    """`tf_lars._rules.adam_direction`, sparse gradients included.
+def adam_direction(
+    optimizer, gradient, variable, slots, epsilon, shift, factor, portable
+):
+    """`tf_lars._trust.adam_direction`, sparse gradients included.
 
     A sparse gradient's repeated rows are summed before they are squared,
     and every row of `m` and `v` decays (Adam on the summed dense gradient,
@@ -256,8 +217,8 @@ def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor)
         optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
         added = tf.square(summed) * tf.constant(1 - optimizer.beta_2, dtype)
         optimizer.assign_add(v, tf.IndexedSlices(added, rows))
-        guarded = _rules.zero_epsilons(optimizer)
-        return _rules.adam_quotient(m, v, epsilon, shift, guarded)
+        guarded = _trust.zero_epsilons(optimizer)
+        return _trust.adam_quotient(m, v, epsilon, shift, guarded)
     if (
         shift is not None
         or optimizer.epsilon == 0.0
@@ -265,9 +226,7 @@ def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor)
         or tf.distribute.has_strategy()
         or _internals.in_xla_context()
     ):
-        return _rules.adam_direction(
-            optimizer, gradient, variable, slots, epsilon, shift, factor
-        )
+        return portable(gradient, variable, slots, epsilon, shift, factor)
     buffers = direction_buffers(optimizer)
     key = (tuple(variable.shape), variable.dtype)
     if key not in buffers:
@@ -301,30 +260,26 @@ def adam_direction(optimizer, gradient, variable, slots, epsilon, shift, factor)
 # ------------------------------------------------------ 3. compiled eager apply
 
 
-class _FunctionCache(dict):
-    """Compiled `apply` functions by variable list; never tracked or saved."""
-
-
 class CompiledApply:
-    """Mixin (before `keras.optimizers.Optimizer`): an eager `apply` runs as
-    one XLA-compiled function, switched by `jit_compile` (default True); not
-    inside `tf.function`, under several replicas, or with a plain callable
-    learning rate (a compiled step would freeze the value it returned)."""
-
-    def _init_compiled_apply(self):
-        self.jit_compile = True
-        self._compiled_apply = _FunctionCache()
+    """Mixin (first in the bases): an eager `apply` runs as one XLA-compiled
+    function, switched by `jit_compile` (default True); not inside
+    `tf.function`, under several replicas, or with a plain callable learning
+    rate (a compiled step would freeze the value it returned)."""
 
     def apply(self, grads, trainable_variables=None):
         """`keras.optimizers.Optimizer.apply`, eagerly as one compiled function."""
-        if not self._should_compile_apply():
+        if not self._should_compile_apply() or (
+            trainable_variables is None and not self.built
+        ):
             return super().apply(grads, trainable_variables)
         grads = [gradient_as_tensor(g) for g in grads]
         if trainable_variables is None:
-            if not self.built:
-                return super().apply(grads, trainable_variables)
-            trainable_variables = _internals.trainable_variables_of(self)
-        trainable_variables = list(trainable_variables)
+            trainable_variables = list(_internals.trainable_variables_of(self))
+            if len(grads) == len(trainable_variables):
+                check_gradient_shapes(grads, trainable_variables)
+        else:
+            trainable_variables = list(trainable_variables)
+            check_gradient_shapes(grads, trainable_variables)
         if not grads:
             return None
         if not self.built:
@@ -333,14 +288,16 @@ class CompiledApply:
             self.built = True
         _internals.check_variables_are_known(self, trainable_variables)
         key = tuple(id(v) for v in trainable_variables)
-        compiled = self._compiled_apply.get(key)
+        # Kept in `__dict__`: never tracked by Keras or TensorFlow, or saved.
+        cache = self.__dict__.setdefault("_compiled_apply", {})
+        compiled = cache.get(key)
         if compiled is None:
 
             def apply_all(gradients):
                 keras.optimizers.Optimizer.apply(self, gradients, trainable_variables)
 
             compiled = tf.function(apply_all, jit_compile=True, autograph=False)
-            self._compiled_apply[key] = compiled
+            cache[key] = compiled
         compiled(grads)
         return None
 
@@ -359,4 +316,143 @@ class CompiledApply:
         return True
 
 
-Apply = CompiledApply
+# --------------------------------------------------------------- the subclasses
+
+
+def _like(public):
+    """Gives a subclass its public class's name, module and registered name,
+    so that configs and saved files read as the public class's."""
+
+    def decorate(cls):
+        cls.__name__ = cls.__qualname__ = public.__name__
+        cls.__module__ = public.__module__
+        cls.__doc__ = public.__doc__
+        return keras.saving.register_keras_serializable(
+            package="tf_lars", name=public.__name__
+        )(cls)
+
+    return decorate
+
+
+@_like(lars.LARS)
+class LARS(CompiledApply, lars.LARS):
+    """`tf_lars.LARS` on TensorFlow: fused momentum, folded norms, sparse
+    rows (step 5) and the cross-replica step."""
+
+    def _is_dense(self, gradient):
+        return not is_sparse(gradient)
+
+    def _norms(self, tensors):
+        return norms(tensors)
+
+    def _entries(self, vector, tensors):
+        return entries(vector, tensors)
+
+    def _momentum_step(self, variable, slot, gradient, rate):
+        momentum_step(
+            self, variable, slot, gradient, rate, self.momentum, self.nesterov
+        )
+
+    def _update(self, gradient, variable, learning_rate, ratio):
+        if is_sparse(gradient):  # Step 5 (sparse gradients).
+            index = _internals.variable_index(self, variable)
+            slot = self.momentums[index] if self.momentum != 0 else None
+            sparse_momentum_step(self, gradient, variable, learning_rate, slot)
+            return
+        super()._update(gradient, variable, learning_rate, ratio)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        # Under any `tf.distribute` strategy: the ratios of the gradients
+        # summed across replicas, in replica context (the same on every
+        # replica), then each variable's update through the strategy, as
+        # Keras's own TensorFlow optimizer does.
+        tf_variables = [_internals.backing_variable(v) for v in trainable_variables]
+        grads_and_vars = _internals.all_reduce_sum_gradients(
+            self, list(zip(grads, tf_variables))
+        )
+        grads = [g for g, _ in grads_and_vars]
+        ratios, recorded = self._trust_ratios(grads, tf_variables)
+        self._record_trust_ratios(tf_variables, recorded)
+
+        def update(distribution, grads_and_vars, ratios, learning_rate):
+            for (gradient, variable), ratio in zip(grads_and_vars, ratios, strict=True):
+                distribution.extended.update(
+                    variable,
+                    lambda v, g, r, lr: self._update(g, v, lr, r),
+                    args=(gradient, ratio, learning_rate),
+                    group=False,
+                )
+
+        _internals.maybe_merge_call(
+            update,
+            _internals.distribution_strategy(self),
+            grads_and_vars,
+            ratios,
+            learning_rate,
+        )
+
+
+class _TrustRatioSteps(CompiledApply):
+    """TrustRatio's and LAMB's overrides: folded norms, fused writes, ratios
+    batched outside `tf.distribute` (a strategy steps each variable in its
+    own update context), and sparse gradients."""
+
+    def _norms(self, tensors):
+        return norms(tensors)
+
+    def _entries(self, vector, tensors):
+        return entries(vector, tensors)
+
+    def _scaled_step(self, variable, scale, step):
+        scaled_step(self, variable, scale, step)
+
+    def _batches_trust_ratios(self):
+        return not tf.distribute.has_strategy()
+
+    def _recomputes_for_norms(self, direction):
+        return _internals.in_xla_context()
+
+    def update_step(self, gradient, variable, learning_rate):
+        if not is_sparse(gradient):
+            return super().update_step(gradient, variable, learning_rate)
+        # Step 6 (sparse gradients): the inner optimizer's own update, on the
+        # gradient with repeated rows summed.
+        inner = self.inner_optimizer
+        type(inner).update_step(inner, summed_rows(gradient), variable, learning_rate)
+
+
+@_like(trust_ratio.TrustRatio)
+class TrustRatio(_TrustRatioSteps, trust_ratio.TrustRatio):
+    """`tf_lars.TrustRatio` on TensorFlow."""
+
+
+@_like(lamb.LAMB)
+class LAMB(_TrustRatioSteps, lamb.LAMB):
+    """`tf_lars.LAMB` on TensorFlow: also Adam's fused kernel and sparse rows."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        if not is_sparse(gradient):
+            return lamb.LAMB.update_step(self, gradient, variable, learning_rate)
+        # Step 6 (sparse gradients): Adam's step, no ratio, no decay.
+        index = _internals.variable_index(self, variable)
+        slots = _internals.adam_slots(self.inner_optimizer, index)
+        scale, epsilon, shift = self._adam_scalars(variable.dtype, learning_rate)
+        direction = self._adam_direction(
+            gradient, variable, slots, epsilon, shift, None
+        )
+        self.assign_sub(variable, scale * direction)
+
+    def _adam_direction(self, gradient, variable, slots, epsilon, shift, factor):
+        return adam_direction(
+            self,
+            gradient,
+            variable,
+            slots,
+            epsilon,
+            shift,
+            factor,
+            portable=super()._adam_direction,
+        )
+
+
+SUBCLASSES = {lars.LARS: LARS, trust_ratio.TrustRatio: TrustRatio, lamb.LAMB: LAMB}
