@@ -74,6 +74,33 @@ def test_the_backend_subclass_reads_as_the_public_class(public):
     assert type(again) is type(made) and again.get_config() == made.get_config()
 
 
+@keras.saving.register_keras_serializable(package="tests")
+class HalvedLARS(tf_lars.LARS):
+    """A user's subclass: LARS at half the learning rate."""
+
+    def _update(self, gradient, variable, learning_rate, ratio):
+        super()._update(gradient, variable, learning_rate * 0.5, ratio)
+
+
+def test_a_users_subclass_keeps_its_own_methods_and_the_backend_s():
+    made = HalvedLARS(learning_rate=1.0, momentum=0.0)
+    assert isinstance(made, HalvedLARS) and type(made).__name__ == "HalvedLARS"
+    if BACKEND == "tensorflow":
+        from tf_lars.backend import tensorflow as tf_backend
+
+        assert isinstance(made, tf_backend.LARS)
+    variable = keras.Variable(np.full((2, 2), 2.0, "float32"))
+    made.apply([np.ones((2, 2), "float32")], [variable])
+    # T = 0.001 * |w| / |g| = 0.002; lr 0.5 after the subclass's halving.
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(variable), np.full((2, 2), 2.0 - 0.001), rtol=1e-6
+    )
+    config = keras.saving.serialize_keras_object(made)
+    assert config["registered_name"] == "tests>HalvedLARS"
+    again = keras.saving.deserialize_keras_object(config)
+    assert type(again) is type(made)
+
+
 def _distribution(case):
     script = pathlib.Path(__file__).resolve().parent / "distribution_script.py"
     env = dict(

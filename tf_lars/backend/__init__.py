@@ -7,19 +7,28 @@ the portable rule in `keras.ops`, and on the TensorFlow backend
 construct the subclass of `tf_lars/backend/tensorflow.py`, which overrides
 methods with TensorFlow's fused kernels, sparse rows and cross-replica
 steps. The subclasses keep the public class's name, module and registered
-name, so configs and saved files read the same.
+name, so configs and saved files read the same. A user's subclass of a
+public class gets the same overrides (a class made once, on first use).
 """
+
+import functools
 
 import keras
 
 
+@functools.cache
 def subclass(cls):
     """The class that `cls(...)` constructs on the running backend."""
     if keras.backend.backend() != "tensorflow":
         return cls
     from tf_lars.backend import tensorflow
 
-    return tensorflow.SUBCLASSES.get(cls, cls)
+    if cls in tensorflow.SUBCLASSES or issubclass(cls, tensorflow.CompiledApply):
+        return tensorflow.SUBCLASSES.get(cls, cls)
+    for public, fast in tensorflow.SUBCLASSES.items():
+        if issubclass(cls, public):  # a user's subclass, e.g. of LARS
+            return tensorflow.with_name_of(cls, type(cls.__name__, (fast, cls), {}))
+    return cls
 
 
 class BackendSubclass:

@@ -319,19 +319,20 @@ class CompiledApply:
 # --------------------------------------------------------------- the subclasses
 
 
+def with_name_of(public, cls):
+    """`cls` with `public`'s name, module, docstring and registered name, so
+    that configs and saved files read as `public`'s."""
+    cls.__name__, cls.__qualname__ = public.__name__, public.__qualname__
+    cls.__module__, cls.__doc__ = public.__module__, public.__doc__
+    registered = keras.saving.get_registered_name(public)
+    if registered != public.__name__:  # registered as "package>name"
+        package, _, name = registered.partition(">")
+        keras.saving.register_keras_serializable(package, name)(cls)
+    return cls
+
+
 def _like(public):
-    """Gives a subclass its public class's name, module and registered name,
-    so that configs and saved files read as the public class's."""
-
-    def decorate(cls):
-        cls.__name__ = cls.__qualname__ = public.__name__
-        cls.__module__ = public.__module__
-        cls.__doc__ = public.__doc__
-        return keras.saving.register_keras_serializable(
-            package="tf_lars", name=public.__name__
-        )(cls)
-
-    return decorate
+    return lambda cls: with_name_of(public, cls)
 
 
 @_like(lars.LARS)
@@ -455,4 +456,6 @@ class LAMB(_TrustRatioSteps, lamb.LAMB):
         )
 
 
-SUBCLASSES = {lars.LARS: LARS, trust_ratio.TrustRatio: TrustRatio, lamb.LAMB: LAMB}
+#: Public class -> its TensorFlow subclass; LAMB before TrustRatio (its base),
+#: so that a user's subclass of LAMB gets LAMB's.
+SUBCLASSES = {lars.LARS: LARS, lamb.LAMB: LAMB, trust_ratio.TrustRatio: TrustRatio}
