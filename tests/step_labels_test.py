@@ -22,7 +22,6 @@ FILES = {
     "tf_lars/backend/tensorflow.py": "LARS",
     "tf_lars/lamb.py": "TrustRatio and LAMB",
     "tf_lars/trust_ratio.py": "TrustRatio and LAMB",
-    "tf_lars/_trust.py": "TrustRatio and LAMB",
     "tf_lars/loss_scale.py": "Loss scaling",
 }
 _OWNER = {"LARS's": "LARS", "LAMB's": "TrustRatio and LAMB"}
