@@ -293,8 +293,8 @@ class LARS(
 
     def _update(self, gradient, variable, learning_rate, ratio):
         """Steps 1, 3 and 4 (decay in the gradient, local rate, momentum) for
-        one variable given its trust ratio (step 5, sparse gradients, is the
-        TensorFlow subclass's)."""
+        one variable given its trust ratio (the TensorFlow subclass takes step 5
+        (sparse gradients))."""
         index = _internals.variable_index(self, variable)
         slot = self.momentums[index] if self.momentum != 0 else None
         dtype = variable.dtype

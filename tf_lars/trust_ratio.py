@@ -302,8 +302,8 @@ class TrustRatio(
     # ------------------------------------------------------- the update rule
     def update_step(self, gradient, variable, learning_rate):
         """Steps 1 to 5 (inner step, decay, trust ratio, clip, update) for one
-        variable, around the inner `update_step` (step 6, sparse gradients:
-        the TensorFlow subclass's)."""
+        variable, around the inner `update_step` (the TensorFlow subclass takes
+        step 6 (sparse gradients))."""
         index = _internals.variable_index(self, variable)
         decay = self._variable_weight_decay[index]
         dtype = variable.dtype
@@ -450,7 +450,7 @@ class TrustRatio(
         return _trust.entries(vector, tensors)
 
     def _batches_trust_ratios(self):
-        # Steps 3 to 5 of every variable at once: one `norms` call and one
+        # Steps 3 to 5 (trust ratio, clip, update) of every variable at once: one `norms` call and one
         # record per step (the TensorFlow subclass: not under tf.distribute).
         return True
 

@@ -18,7 +18,7 @@ to the portable rule; `python benchmarks/bench.py` measures what each saves
 3. **Compiled eager apply** (`CompiledApply`): an eager `apply` runs as one
    `tf.function(jit_compile=True)`, traced once per list of variables.
 4. **Sparse gradients** (`tf.IndexedSlices`, only TensorFlow has them):
-   LARS's row-wise momentum (step 5), LAMB's sparse Adam moments,
+   LARS's step 5 (sparse gradients), LAMB's sparse Adam moments,
    TrustRatio's inner step on summed rows; and LARS's cross-replica step
    under `tf.distribute`.
 5. **Ratio entries at runtime positions** (`entries`), a compile-time
@@ -338,7 +338,7 @@ def _like(public):
 @_like(lars.LARS)
 class LARS(CompiledApply, lars.LARS):
     """`tf_lars.LARS` on TensorFlow: fused momentum, folded norms, sparse
-    rows (step 5) and the cross-replica step."""
+    rows (step 5 (sparse gradients)) and the cross-replica step."""
 
     def _is_dense(self, gradient):
         return not is_sparse(gradient)
@@ -416,7 +416,7 @@ class _TrustRatioSteps(CompiledApply):
     def update_step(self, gradient, variable, learning_rate):
         if not is_sparse(gradient):
             return super().update_step(gradient, variable, learning_rate)
-        # Step 6 (sparse gradients): the inner optimizer's own update, on the
+        # LAMB's step 6 (sparse gradients): the inner optimizer's own update, on the
         # gradient with repeated rows summed.
         inner = self.inner_optimizer
         type(inner).update_step(inner, summed_rows(gradient), variable, learning_rate)
@@ -434,7 +434,7 @@ class LAMB(_TrustRatioSteps, lamb.LAMB):
     def update_step(self, gradient, variable, learning_rate):
         if not is_sparse(gradient):
             return lamb.LAMB.update_step(self, gradient, variable, learning_rate)
-        # Step 6 (sparse gradients): Adam's step, no ratio, no decay.
+        # LAMB's step 6 (sparse gradients): Adam's step, no ratio, no decay.
         index = _internals.variable_index(self, variable)
         slots = _internals.adam_slots(self.inner_optimizer, index)
         scale, epsilon, shift = self._adam_scalars(variable.dtype, learning_rate)
