@@ -89,7 +89,8 @@ def test_every_module_the_development_guide_names_exists():
     ]
     assert missing == [], f"tf_lars/cli/ has no {missing}"
     # Every `name.py` and `folder/` the guide names, where the layout puts it.
-    folders = ["", "tf_lars", "tf_lars/distribute", "tf_lars/cli", "benchmarks"]
+    folders = ["", "tf_lars", "tf_lars/backend", "tf_lars/distribute", "tf_lars/cli"]
+    folders += ["benchmarks"]
     folders += ["examples", "tests", "tests/data", "configs", "docs", "docs/guides"]
     names = set(
         re.findall(r"(?<![\w/.*-])((?:[\w.-]+/)*[\w-]+\.(?:py|yaml|md))\b", guide)
