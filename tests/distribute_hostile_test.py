@@ -18,6 +18,7 @@ import tf_lars
 from tests.distribute_launch_helpers import REPO, launcher_env, run_launcher
 from tf_lars.cli.main import main as cli_main
 from tf_lars.distribute import BackupAndRestore
+from tf_lars.distribute._process import die_with_parent
 from tf_lars.distribute.tf_config import TFConfigError, parse_tf_config
 
 INT64_MAX = 2**63 - 1
@@ -137,12 +138,23 @@ def test_other_hosts_or_ports_are_not_duplicates(workers):
 # ------------------------------------------------------------------- launcher
 PROGRAM = """\
 import json, os, subprocess, sys, time
+from tf_lars.distribute._process import die_with_parent
+out, mode = sys.argv[1], sys.argv[2]
+if mode == "parent":  # a test run that starts a launcher, then is killed
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tf_lars.distribute.launch", *sys.argv[3:]],
+        start_new_session=True, preexec_fn=die_with_parent,
+    )
+    with open(os.path.join(out, "launcher"), "w") as handle:
+        handle.write(str(launcher.pid))
+    time.sleep(300)
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-out = sys.argv[1]
-if sys.argv[2] == "child":
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    with open(os.path.join(out, f"child-{index}"), "w") as handle:
-        handle.write(str(child.pid))
+if mode in ("child", "sleep"):
+    pid = subprocess.Popen(["sleep", "300"]).pid if mode == "child" else os.getpid()
+    with open(os.path.join(out, f"{mode}-{index}"), "w") as handle:
+        handle.write(str(pid))
+    if mode == "sleep":
+        time.sleep(300)
 elif index == 1:
     with open(os.path.join(out, "hung"), "w") as handle:
         handle.write(str(os.getpid()))
@@ -163,6 +175,7 @@ def _launch(args, tmp_path, *program_args, timeout=120):
         text=True,
         timeout=timeout,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
 
 
@@ -280,6 +293,37 @@ def test_children_of_a_finished_task_do_not_outlive_the_launcher(tmp_path):
     for index in (0, 1):
         child = int((tmp_path / f"child-{index}").read_text())
         assert _gone_soon(child), f"worker {index}'s child {child} still runs"
+
+
+def test_a_killed_test_run_leaves_no_launcher_or_task_behind(tmp_path):
+    """kill -9 of the process that started a launcher (as of a pytest run):
+    the launcher, then its tasks (each in a session of its own, so no group
+    signal reaches them), die with it."""
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    launcher_args = ["--mode", "sync", "--workers", "2", "--network", "host"]
+    launcher_args += ["--log-dir", str(tmp_path / "logs"), "--"]
+    parent = subprocess.Popen(
+        [sys.executable, str(program), str(tmp_path), "parent", *launcher_args]
+        + [str(program), str(tmp_path), "sleep"],
+        cwd=REPO,
+        env=launcher_env(),
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    try:
+        started = [tmp_path / name for name in ("launcher", "sleep-0", "sleep-1")]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.read_text() for p in started):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in started]
+        assert all(map(_running, pids))
+    finally:
+        parent.kill()
+        parent.wait(10)
+    for pid in pids:
+        assert _gone_soon(pid), f"{pid} outlived the killed test run"
 
 
 # ----------------------------------------------------------- BackupAndRestore

@@ -19,6 +19,7 @@ from tests.distribute_launch_helpers import (
     launcher_env,
     read_json,
 )
+from tf_lars.distribute._process import die_with_parent
 from tf_lars.distribute.logs import log_tail, tee_stdout
 
 # The accuracy this run reaches is stated in docs/guides/parameter-servers.md; the bar
@@ -162,6 +163,7 @@ def test_launcher_runs_a_script_path_or_a_module(tmp_path, form):
         text=True,
         timeout=120,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     output = proc.stdout + proc.stderr
     # The launcher exits with the chief's status.

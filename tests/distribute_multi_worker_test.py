@@ -13,6 +13,7 @@ import pytest
 
 from tests.distribute_launch_helpers import REPO, launcher_env
 from tf_lars.distribute import TFConfigError, parse_tf_config
+from tf_lars.distribute._process import die_with_parent
 
 SCRIPT = os.path.join(REPO, "tests", "distribute_multi_worker_script.py")
 TIMEOUT = 240
@@ -35,6 +36,7 @@ def _run_all(commands_envs, timeout):
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         for command, env in commands_envs
     ]
@@ -271,11 +273,11 @@ def test_loopback_names_of_one_socket_are_duplicates(other):
         parse_tf_config(_config({"worker": ["localhost:2002", other]}), mode="sync")
 
 
-def _python(code, env_extra):
+def _python(mode, env_extra):
     env = launcher_env()
     env.update(env_extra)
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, SCRIPT, mode],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -293,14 +295,7 @@ def _python(code, env_extra):
     ],
 )
 def test_run_main_turns_a_bad_tf_config_into_one_line_and_status_2(tf_config):
-    code = (
-        "from tf_lars import distribute\n"
-        "def main():\n"
-        "    distribute.parse_tf_config(mode='sync')\n"
-        "    print('started')\n"
-        "distribute.run_main(main)\n"
-    )
-    result = _python(code, {"TF_CONFIG": tf_config})
+    result = _python("run_main", {"TF_CONFIG": tf_config})
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     # TensorFlow's own import-time lines (absl, oneDNN) may precede it; the
@@ -312,10 +307,10 @@ def test_run_main_turns_a_bad_tf_config_into_one_line_and_status_2(tf_config):
 
 
 def test_run_main_passes_the_status_through():
-    result = _python(
-        "from tf_lars import distribute\ndistribute.run_main(lambda: 0)\n", {}
-    )
+    tf_config = _config({"worker": ["localhost:1"]})
+    result = _python("run_main", {"TF_CONFIG": tf_config})
     assert result.returncode == 0, result.stderr
+    assert result.stdout == "started\n"
 
 
 def test_launch_tasks_with_a_bad_index_is_one_line_and_status_2(tmp_path):
@@ -350,16 +345,13 @@ def test_launch_tasks_with_a_bad_index_is_one_line_and_status_2(tmp_path):
 def test_a_worker_that_never_starts_is_named_after_the_timeout():
     # Only worker 0 of two runs; worker 1's port stays closed.
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
-    code = (
-        "from tf_lars import distribute\n"
-        "distribute.multi_worker_strategy(start_timeout=8)\n"
-        "print('started')\n"
-    )
     env = launcher_env()
     env["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": 0}}
     )
-    codes, outputs = _run_all([([sys.executable, "-c", code], env)], 120)
+    codes, outputs = _run_all(
+        [([sys.executable, SCRIPT, "start_timeout", "8"], env)], 120
+    )
     # Ended by the watchdog: SIGTERM, or SIGKILL when TF holds off SIGTERM.
     assert codes[0] in (-15, -9), outputs[0][-3000:]
     assert "started" not in outputs[0]

@@ -10,6 +10,7 @@ import pytest
 
 from tests.distribute_launch_helpers import EXAMPLE, REPO, launcher_env
 from tf_lars.distribute import tf_config as tf_config_lib
+from tf_lars.distribute._process import die_with_parent
 from tf_lars.distribute.tf_config import TFConfigError, parse_tf_config
 
 CLUSTER = {
@@ -117,6 +118,7 @@ def _run(args, tf_config=None, timeout=120):
         text=True,
         timeout=timeout,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     return proc, time.monotonic() - start
 

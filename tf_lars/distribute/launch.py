@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 
-from tf_lars.distribute import logs
+from tf_lars.distribute import _process, logs
 from tf_lars.distribute import tf_config as tf_config_lib
 from tf_lars.distribute.cluster import bind_host, local_cluster
 from tf_lars.distribute.run import EXIT_CLUSTER, EXIT_CONFIG
@@ -157,6 +157,7 @@ class Task:
             stdout=subprocess.PIPE if echo else log,
             stderr=log if echo else subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_process.die_with_parent,  # killed with the launcher
         )
         self._group, self.reported_exit = self.process.pid, False
         if echo:
