@@ -1,9 +1,8 @@
-"""Bad input and faults for `tf_lars.distribute`: step-count bounds of AGN,
-`TF_CONFIG` and launcher arguments that must be one line and status 2, the
-launcher's `--timeout` and process groups, and `BackupAndRestore` refusing a
-backup of another training."""
+"""Faults for `tf_lars.distribute`: step-count bounds of AGN, the launcher's
+`--timeout`, process groups and parent-death signal, and `BackupAndRestore`
+refusing a backup of another training (bad `TF_CONFIG` and launcher
+arguments: distribute_tf_config_test.py)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -16,10 +15,8 @@ import tensorflow as tf
 
 import tf_lars
 from tests.distribute_launch_helpers import REPO, launcher_env, run_launcher
-from tf_lars.cli.main import main as cli_main
 from tf_lars.distribute import BackupAndRestore
 from tf_lars.distribute._process import die_with_parent
-from tf_lars.distribute.tf_config import TFConfigError, parse_tf_config
 
 INT64_MAX = 2**63 - 1
 
@@ -41,98 +38,6 @@ def test_agn_largest_period_takes_a_step_without_committing():
     optimizer.apply([tf.constant([1.0])], [variable])
     np.testing.assert_allclose(variable.numpy(), [0.9])
     assert int(optimizer.commits.numpy()) == 0
-
-
-# ------------------------------------------------------------------ TF_CONFIG
-def _tf_config(task=None, workers=("localhost:2222", "localhost:2223")):
-    return json.dumps(
-        {
-            "cluster": {"worker": list(workers)},
-            "task": {"type": "worker", "index": 0} if task is None else task,
-        }
-    )
-
-
-BAD_TF_CONFIGS = [
-    (
-        _tf_config(workers=["localhost:²", "localhost:2223"]),
-        "Address 'localhost:²' must end with a port in 1..65535.",
-    ),
-    (
-        _tf_config(workers=["localhost:" + "1" * 5000, "localhost:2223"]),
-        "must end with a port in 1..65535.",
-    ),
-    (
-        _tf_config({"type": ["worker"], "index": 0}),
-        "`task.type` must be a string, one of ['worker']. Received: type=['worker']",
-    ),
-    (
-        _tf_config({"type": "worker", "index": 0}).replace(
-            '"index": 0', '"index": ' + "9" * 4301
-        ),
-        "`task.index` must be an int in [0, 2) for task type 'worker'. "
-        "Received: index=<an integer of 4301 digits>",
-    ),
-    ('{"cluster": ' * 100000, "TF_CONFIG is not valid JSON (nested too deeply)"),
-]
-
-
-@pytest.mark.parametrize("text, message", BAD_TF_CONFIGS)
-def test_bad_tf_config_is_a_tf_config_error_naming_the_key(text, message):
-    with pytest.raises(TFConfigError) as info:
-        parse_tf_config(text, mode="sync")
-    assert message in str(info.value)
-    assert len(str(info.value)) < 1000
-
-
-@pytest.mark.parametrize("text, message", BAD_TF_CONFIGS)
-def test_bad_tf_config_is_one_line_on_the_command_line(
-    text, message, tmp_path, capsys, monkeypatch
-):
-    monkeypatch.setenv("TF_CONFIG", text)
-    output = tmp_path / "out"
-    code = cli_main(
-        ["train", "--set", "distribute.strategy=multi_worker"]
-        + ["--set", f"output_dir={output}"]
-    )
-    captured = capsys.readouterr()
-    assert code == 2
-    assert captured.out == ""
-    assert captured.err.count("\n") == 1, captured.err
-    assert captured.err.startswith("tf-lars train: error: "), captured.err
-    assert message in captured.err
-    assert not output.exists()
-
-
-@pytest.mark.parametrize(
-    "first, second",
-    [
-        ("0.0.0.0:2002", "localhost:2002"),
-        ("[::]:2002", "127.0.0.1:2002"),
-        ("127.0.0.2:2002", "localhost:2002"),
-        ("[::ffff:127.0.0.1]:2002", "[::1]:2002"),
-    ],
-)
-def test_addresses_of_this_machine_with_one_port_are_duplicates(first, second):
-    # TensorFlow's server listens on [::]:port whatever the host: one socket.
-    with pytest.raises(TFConfigError) as info:
-        parse_tf_config(_tf_config(workers=[first, second]), mode="sync")
-    assert str(info.value) == (
-        f"Address {second!r} is used by both worker:0 and worker:1."
-    )
-
-
-@pytest.mark.parametrize(
-    "workers",
-    [
-        ["10.0.0.1:2002", "10.0.0.2:2002"],
-        ["0.0.0.0:2002", "10.0.0.2:2002"],
-        ["localhost:2002", "localhost:2003"],
-    ],
-)
-def test_other_hosts_or_ports_are_not_duplicates(workers):
-    config = parse_tf_config(_tf_config(workers=workers), mode="sync")
-    assert config.cluster == {"worker": workers}
 
 
 # ------------------------------------------------------------------- launcher
@@ -194,66 +99,6 @@ def _gone_soon(pid, seconds=10.0):
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return not _running(pid)
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["--cluster", '{"worker": ["localhost:²"]}'],
-            "error: Address 'localhost:²' must end with a port in 1..65535.",
-        ),
-        (
-            ["--cluster", "@{tmp}/binary.json"],
-            "error: `--cluster @{tmp}/binary.json` is not UTF-8 text (a JSON file "
-            "was expected).",
-        ),
-        (
-            ["--cluster", '{"worker": ["localhost:2001", "localhost:2002"]}']
-            + ["--tasks", "worker:²"],
-            "error: `--tasks` names 'worker:²': the index after ':' must be a "
-            "non-negative int, e.g. 'worker:0'.",
-        ),
-        (
-            ["--log-dir", "{tmp}/a-file"],
-            "error: argument --log-dir: must be a directory (it is created if "
-            "missing). Received: '{tmp}/a-file'",
-        ),
-        (
-            ["--python", "/nonexistent"],
-            "error: argument --python: must be an executable Python interpreter. "
-            "Received: '/nonexistent'",
-        ),
-        (
-            ["--host", ""],
-            "error: argument --host: must be a host name or IP address. Received: ''",
-        ),
-        (
-            ["--timeout", "0"],
-            "error: argument --timeout: must be a finite number > 0. Received: '0'",
-        ),
-    ],
-)
-def test_launcher_bad_input_is_one_line_and_status_2(tmp_path, args, message):
-    (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
-    (tmp_path / "a-file").write_text("not a directory")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = _launch(["--mode", "sync", "--network", "host", *args], tmp_path, "x")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [
-        message.replace("{tmp}", str(tmp_path))
-    ]
-    assert result.stdout == ""
-
-
-def test_a_cluster_file_without_end_is_refused_after_a_mebibyte(tmp_path):
-    result = _launch(["--mode", "sync", "--cluster", "@/dev/zero"], tmp_path, "x")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "error: `--cluster @/dev/zero` is larger than 1048576 bytes; a cluster "
-        "file is a small JSON object."
-    ]
 
 
 @pytest.mark.slow

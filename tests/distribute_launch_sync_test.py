@@ -224,89 +224,12 @@ def _launcher(args, tmp_path, program=("examples/agn_digits.py",)):
     )
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["--mode", "sync", "--ps", "1"],
-            "error: `--ps` starts parameter servers, which --mode sync does not "
-            "use (MultiWorkerMirroredStrategy runs workers only). Received: "
-            "--mode sync --ps 1",
-        ),
-        (
-            ["--mode", "sync", "--restart-workers"],
-            "error: `--restart-workers` restarts one parameter-server worker; "
-            "--mode sync restarts the whole job: use --restart-job N. Received: "
-            "--mode sync --restart-workers",
-        ),
-        (
-            ["--restart-job", "1"],
-            "error: `--restart-job` restarts a synchronous job (--mode sync); in "
-            "ps mode use --restart-workers. Received: --mode ps --restart-job 1",
-        ),
-        (
-            [
-                "--mode",
-                "sync",
-                "--cluster",
-                json.dumps({"worker": ["localhost:2001"], "ps": ["localhost:2002"]}),
-            ],
-            "error: The cluster has 'ps' tasks, but synchronous multi-worker "
-            "training (MultiWorkerMirroredStrategy) uses only 'worker' tasks (and "
-            "at most one 'chief'); remove 'ps' or use parameter-server training.",
-        ),
-        (
-            ["--mode", "sync", "--workers", "0"],
-            "error: argument --workers: must be an int >= 1. Received: '0'",
-        ),
-        (
-            ["--mode", "sync", "--workers", "abc"],
-            "error: argument --workers: must be an int >= 1. Received: 'abc'",
-        ),
-        (["--ps", "0"], "error: argument --ps: must be an int >= 1. Received: '0'"),
-        (
-            ["--mode", "sync", "--restart-job", "-1"],
-            "error: argument --restart-job: must be an int >= 0. Received: '-1'",
-        ),
-        (
-            ["--restart-delay", "nan"],
-            "error: argument --restart-delay: must be a finite number >= 0. "
-            "Received: 'nan'",
-        ),
-        (["--bogus"], "error: unrecognized arguments: --bogus"),
-    ],
-)
-def test_usage_errors_are_one_line_and_status_2(tmp_path, args, message):
-    _assert_usage_error(_launcher(args, tmp_path), tmp_path, message)
-
-
 def _assert_usage_error(result, tmp_path, message):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == message
     assert result.stdout == ""
     assert os.listdir(tmp_path) == []  # nothing started
-
-
-@pytest.mark.parametrize("program", [[], ["--"], ["--", "-m"]])
-def test_a_missing_program_is_a_usage_error(tmp_path, program):
-    command = [sys.executable, "-m", "tf_lars.distribute.launch", "--mode", "sync"]
-    command += ["--log-dir", str(tmp_path), "--workers", "2", *program]
-    result = subprocess.run(
-        command,
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    _assert_usage_error(
-        result,
-        tmp_path,
-        "error: give the training program after `--`: a script path or `-m "
-        "module`, then its arguments, e.g. `-- examples/agn_digits.py "
-        "--steps-per-worker 300`",
-    )
 
 
 @pytest.mark.parametrize(

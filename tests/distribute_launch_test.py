@@ -178,21 +178,6 @@ def test_launcher_runs_a_script_path_or_a_module(tmp_path, form):
         assert command == [sys.executable, str(script), "--flag", "x"]
 
 
-def test_launcher_needs_a_program():
-    for program in ([], ["-m"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "tf_lars.distribute.launch", "--", *program],
-            cwd=REPO,
-            env=launcher_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert proc.stderr.startswith("error: give the training program after `--`")
-        assert len(proc.stderr.splitlines()) == 1
-
-
 # ----------------------------------------------------------- task output
 def test_tee_copies_every_byte_to_the_log_and_each_line_to_the_terminal(
     tmp_path, capsys

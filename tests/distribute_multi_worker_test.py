@@ -1,6 +1,6 @@
 """MultiWorkerMirroredStrategy: two worker processes on loopback addresses
-against one process on the same global batches; TF_CONFIG checks for the
-synchronous mode; `run_main`'s exit statuses; the launcher's `--tasks`."""
+against one process on the same global batches; the start-up watchdog
+(TF_CONFIG's checks: distribute_tf_config_test.py)."""
 
 import json
 import os
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from tests.distribute_launch_helpers import REPO, launcher_env
-from tf_lars.distribute import TFConfigError, parse_tf_config
 from tf_lars.distribute._process import die_with_parent
 
 SCRIPT = os.path.join(REPO, "tests", "distribute_multi_worker_script.py")
@@ -236,110 +235,6 @@ def test_mixed_precision_custom_loop_skips_on_both(results):
 def test_embedding_gradient_stays_sparse_under_multi_worker(results):
     # The embedding table's gradient reaches LARS as IndexedSlices.
     assert results["worker0"]["loop_sparse"].tolist() == [True, False, False]
-
-
-# ------------------------------------------------------------- TF_CONFIG
-def _config(cluster, task=None):
-    return json.dumps(
-        {"cluster": cluster, "task": task or {"type": "worker", "index": 0}}
-    )
-
-
-def test_sync_mode_accepts_workers_only_and_refuses_ps():
-    config = parse_tf_config(
-        _config({"worker": ["localhost:1", "localhost:2"]}), mode="sync"
-    )
-    assert (config.task_type, config.task_index, config.num_workers) == (
-        "worker",
-        0,
-        2,
-    )
-    with pytest.raises(TFConfigError, match="'ps' tasks, but synchronous"):
-        parse_tf_config(
-            _config({"worker": ["localhost:1"], "ps": ["localhost:2"]}), mode="sync"
-        )
-
-
-def test_task_index_is_required():
-    with pytest.raises(TFConfigError, match="must have an 'index'"):
-        parse_tf_config(
-            _config({"worker": ["localhost:1"]}, {"type": "worker"}), mode="sync"
-        )
-
-
-@pytest.mark.parametrize("other", ["127.0.0.1:2002", "LOCALHOST:2002", "[::1]:2002"])
-def test_loopback_names_of_one_socket_are_duplicates(other):
-    with pytest.raises(TFConfigError, match="is used by both worker:0 and worker:1"):
-        parse_tf_config(_config({"worker": ["localhost:2002", other]}), mode="sync")
-
-
-def _python(mode, env_extra):
-    env = launcher_env()
-    env.update(env_extra)
-    return subprocess.run(
-        [sys.executable, SCRIPT, mode],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-@pytest.mark.parametrize(
-    "tf_config",
-    [
-        "{not json",
-        _config({"worker": ["localhost:1"], "ps": ["localhost:2"]}),
-        _config({"worker": ["localhost:1"]}, {"type": "worker"}),
-    ],
-)
-def test_run_main_turns_a_bad_tf_config_into_one_line_and_status_2(tf_config):
-    result = _python("run_main", {"TF_CONFIG": tf_config})
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    # TensorFlow's own import-time lines (absl, oneDNN) may precede it; the
-    # program's output is the one error line, no traceback.
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert result.stderr.strip().splitlines()[-1] == lines[0]
-
-
-def test_run_main_passes_the_status_through():
-    tf_config = _config({"worker": ["localhost:1"]})
-    result = _python("run_main", {"TF_CONFIG": tf_config})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == "started\n"
-
-
-def test_launch_tasks_with_a_bad_index_is_one_line_and_status_2(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tf_lars.distribute.launch",
-            "--log-dir",
-            str(tmp_path),
-            "--network",
-            "host",
-            "--tasks",
-            "worker:x",
-            "--",
-            "examples/agn_digits.py",
-        ],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: `--tasks` names 'worker:x': the index after ':' must be a "
-        "non-negative int, e.g. 'worker:0'."
-    )
 
 
 def test_a_worker_that_never_starts_is_named_after_the_timeout():
