@@ -408,21 +408,13 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def local_steps(self):
-        """Local steps taken so far, an int64 `keras.Variable`.
-
-        One process: steps applied since the start (a skipped non-finite step
-        does not count). Parameter servers: local steps committed by all
-        workers together (`communication_period` per commit).
-        """
+        """Local steps so far, an int64 `keras.Variable`: applied ones (one
+        process), or committed by all workers together (parameter servers)."""
         return _internals.iterations_variable(self)
 
     @property
     def local_variables(self):
-        """The variables the local steps update: the model's variables.
-
-        One process only; under parameter servers the local copies are
-        worker-local (`tf_lars.distribute.ParameterServerAGN`).
-        """
+        """The variables the local steps update: the model's (one process)."""
         self._require_one_process("local_variables")
         return list(self._roles.model)
 
@@ -447,13 +439,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def center_optimizer(self):
-        """The optimizer instance that applies commits to the center.
-
-        The outer optimizer if there is one. Otherwise, one process: a copy
-        of the inner optimizer (without loss scaling); parameter servers: the
-        inner optimizer itself (without loss scaling), whose slots live on the
-        parameter servers.
-        """
+        """The optimizer that applies commits: the outer optimizer, else the
+        inner one without loss scaling (one process: a copy of it)."""
         self._require_built("center_optimizer")
         if self.outer_optimizer is not None:
             return self.outer_optimizer
@@ -563,18 +550,15 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         return index
 
     def local_update(self, grads):
-        """Applies one local step and accumulates its unscaled gradient.
-
-        One-process mode only.
+        """One local step (one process), its unscaled gradient accumulated.
 
         Args:
             grads: list, one gradient (or `None`) per entry of
                 `local_variables`, of `scale_loss(loss)`.
 
         Returns:
-            A scalar bool tensor: whether the step was applied (always true
-            unless the inner optimizer is a loss-scale optimizer that skipped
-            a non-finite step).
+            A scalar bool tensor: whether the step was applied (false when a
+            loss-scale inner optimizer skipped a non-finite step).
         """
         self._require_one_process("local_update")
         roles = self._roles
@@ -589,10 +573,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         reset(self, roles.model, roles.centers, roles.accumulators)
 
     def commit(self):
-        """Applies the accumulated gradient / period to the center (with an
-        outer optimizer: the pseudo-gradient), then pulls.
-
-        One-process mode only.
+        """Applies the commit to the center, then pulls (one process).
 
         Returns:
             The number of commits after this one, an int64 scalar tensor.

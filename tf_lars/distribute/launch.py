@@ -38,7 +38,6 @@ multi-worker.md) say more.
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import fcntl
 import json
 import math
@@ -100,9 +99,9 @@ def enter_private_network():
         OSError: the kernel (or platform) refuses; this process is unchanged.
         NamespaceSetupError: entered but not set up (uid map, loopback).
     """
-    if not sys.platform.startswith("linux"):
+    libc = _process._LIBC
+    if libc is None:
         raise OSError("network namespaces exist only on Linux")
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(_CLONE_NEWNET | (_CLONE_NEWUSER if uid else 0)) != 0:
         errno = ctypes.get_errno()
