@@ -224,45 +224,11 @@ def _launcher(args, tmp_path, program=("examples/agn_digits.py",)):
     )
 
 
-def _assert_usage_error(result, tmp_path, message):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == message
-    assert result.stdout == ""
-    assert os.listdir(tmp_path) == []  # nothing started
-
-
-@pytest.mark.parametrize(
-    "args, tasks",
-    [
-        (["--mode", "sync", "--workers", "{over}"], "{over}"),
-        (["--workers", "100000"], "100002"),
-        (["--workers", "1", "--ps", "{over}"], "{over_ps}"),
-    ],
-)
-def test_more_tasks_than_the_machine_takes_are_refused_up_front(tmp_path, args, tasks):
-    # The cap is TASKS_PER_CPU per CPU this process may use; one task more is
-    # refused before any port is picked or process started.
+def test_the_task_cap_counts_every_task_started_here():
+    # TASKS_PER_CPU per CPU this process may use (the launcher's refusals of
+    # one task more: distribute_tf_config_test.py's USAGE_ERRORS).
     limit = launch.max_local_tasks()
     assert limit == launch.TASKS_PER_CPU * len(os.sched_getaffinity(0))
-    values = {"over": str(limit + 1), "over_ps": str(limit + 1 + 2)}
-    args = [a.format(**values) for a in args]
-    received = " ".join(
-        ["--mode", args[1]] + args[2:]
-        if args[0] == "--mode"
-        else ["--mode", "ps", *args]
-    )
-    _assert_usage_error(
-        _launcher(args, tmp_path),
-        tmp_path,
-        f"error: the launcher starts at most {launch.TASKS_PER_CPU} tasks per CPU "
-        f"here ({limit}); this cluster has {tasks.format(**values)} tasks to start. "
-        f"Received: {received}",
-    )
-
-
-def test_the_task_cap_counts_every_task_started_here():
-    limit = launch.max_local_tasks()
     assert launch._task_count_error(limit, "x") is None
     assert "Received: x" in launch._task_count_error(limit + 1, "x")
     cluster = json.dumps(

@@ -237,6 +237,7 @@ def test_run_main_ends_a_bad_tf_config_with_one_line_and_status_2(tf_config, sta
 
 # ------------------------------------------------------------------ launcher
 _SYNC_PS = json.dumps({"worker": ["localhost:2001"], "ps": ["localhost:2002"]})
+_LIMIT = launch.max_local_tasks()
 _TWO = json.dumps({"worker": ["localhost:2001", "localhost:2002"]})
 _PROGRAM_HELP = (
     "error: give the training program after `--`: a script path or `-m "
@@ -301,6 +302,19 @@ USAGE_ERRORS = [
      "error: argument --restart-delay: must be a finite number >= 0. "
      "Received: 'nan'"),
     (["--bogus"], [EXAMPLE], "error: unrecognized arguments: --bogus"),
+    # One task more than the machine takes, refused before a port is picked.
+    *[
+        (args, [EXAMPLE], f"error: the launcher starts at most {launch.TASKS_PER_CPU} "
+         f"tasks per CPU here ({_LIMIT}); this cluster has {tasks} tasks to start. "
+         f"Received: {' '.join(received)}")
+        for args, tasks, received in [
+            (["--mode", "sync", "--workers", f"{_LIMIT + 1}"], _LIMIT + 1,
+             ["--mode", "sync", "--workers", f"{_LIMIT + 1}"]),
+            (["--workers", "100000"], 100002, ["--mode", "ps", "--workers", "100000"]),
+            (["--workers", "1", "--ps", f"{_LIMIT + 1}"], _LIMIT + 3,
+             ["--mode", "ps", "--workers", "1", "--ps", f"{_LIMIT + 1}"]),
+        ]
+    ],
     ([], None, _PROGRAM_HELP),
     ([], [], _PROGRAM_HELP),
     ([], ["-m"], _PROGRAM_HELP),
