@@ -1,9 +1,8 @@
-"""Bad input and faults for `tf_lars.distribute`: step-count bounds of AGN,
-`TF_CONFIG` and launcher arguments that must be one line and status 2, the
-launcher's `--timeout` and process groups, and `BackupAndRestore` refusing a
-backup of another training."""
+"""Faults for `tf_lars.distribute`: step-count bounds of AGN, the launcher's
+`--timeout`, process groups and parent-death signal, and `BackupAndRestore`
+refusing a backup of another training (bad `TF_CONFIG` and launcher
+arguments: distribute_tf_config_test.py)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -16,9 +15,8 @@ import tensorflow as tf
 
 import tf_lars
 from tests.distribute_launch_helpers import REPO, launcher_env, run_launcher
-from tf_lars.cli.main import main as cli_main
 from tf_lars.distribute import BackupAndRestore
-from tf_lars.distribute.tf_config import TFConfigError, parse_tf_config
+from tf_lars.distribute._process import die_with_parent
 
 INT64_MAX = 2**63 - 1
 
@@ -42,107 +40,26 @@ def test_agn_largest_period_takes_a_step_without_committing():
     assert int(optimizer.commits.numpy()) == 0
 
 
-# ------------------------------------------------------------------ TF_CONFIG
-def _tf_config(task=None, workers=("localhost:2222", "localhost:2223")):
-    return json.dumps(
-        {
-            "cluster": {"worker": list(workers)},
-            "task": {"type": "worker", "index": 0} if task is None else task,
-        }
-    )
-
-
-BAD_TF_CONFIGS = [
-    (
-        _tf_config(workers=["localhost:²", "localhost:2223"]),
-        "Address 'localhost:²' must end with a port in 1..65535.",
-    ),
-    (
-        _tf_config(workers=["localhost:" + "1" * 5000, "localhost:2223"]),
-        "must end with a port in 1..65535.",
-    ),
-    (
-        _tf_config({"type": ["worker"], "index": 0}),
-        "`task.type` must be a string, one of ['worker']. Received: type=['worker']",
-    ),
-    (
-        _tf_config({"type": "worker", "index": 0}).replace(
-            '"index": 0', '"index": ' + "9" * 4301
-        ),
-        "`task.index` must be an int in [0, 2) for task type 'worker'. "
-        "Received: index=<an integer of 4301 digits>",
-    ),
-    ('{"cluster": ' * 100000, "TF_CONFIG is not valid JSON (nested too deeply)"),
-]
-
-
-@pytest.mark.parametrize("text, message", BAD_TF_CONFIGS)
-def test_bad_tf_config_is_a_tf_config_error_naming_the_key(text, message):
-    with pytest.raises(TFConfigError) as info:
-        parse_tf_config(text, mode="sync")
-    assert message in str(info.value)
-    assert len(str(info.value)) < 1000
-
-
-@pytest.mark.parametrize("text, message", BAD_TF_CONFIGS)
-def test_bad_tf_config_is_one_line_on_the_command_line(
-    text, message, tmp_path, capsys, monkeypatch
-):
-    monkeypatch.setenv("TF_CONFIG", text)
-    output = tmp_path / "out"
-    code = cli_main(
-        ["train", "--set", "distribute.strategy=multi_worker"]
-        + ["--set", f"output_dir={output}"]
-    )
-    captured = capsys.readouterr()
-    assert code == 2
-    assert captured.out == ""
-    assert captured.err.count("\n") == 1, captured.err
-    assert captured.err.startswith("tf-lars train: error: "), captured.err
-    assert message in captured.err
-    assert not output.exists()
-
-
-@pytest.mark.parametrize(
-    "first, second",
-    [
-        ("0.0.0.0:2002", "localhost:2002"),
-        ("[::]:2002", "127.0.0.1:2002"),
-        ("127.0.0.2:2002", "localhost:2002"),
-        ("[::ffff:127.0.0.1]:2002", "[::1]:2002"),
-    ],
-)
-def test_addresses_of_this_machine_with_one_port_are_duplicates(first, second):
-    # TensorFlow's server listens on [::]:port whatever the host: one socket.
-    with pytest.raises(TFConfigError) as info:
-        parse_tf_config(_tf_config(workers=[first, second]), mode="sync")
-    assert str(info.value) == (
-        f"Address {second!r} is used by both worker:0 and worker:1."
-    )
-
-
-@pytest.mark.parametrize(
-    "workers",
-    [
-        ["10.0.0.1:2002", "10.0.0.2:2002"],
-        ["0.0.0.0:2002", "10.0.0.2:2002"],
-        ["localhost:2002", "localhost:2003"],
-    ],
-)
-def test_other_hosts_or_ports_are_not_duplicates(workers):
-    config = parse_tf_config(_tf_config(workers=workers), mode="sync")
-    assert config.cluster == {"worker": workers}
-
-
 # ------------------------------------------------------------------- launcher
 PROGRAM = """\
 import json, os, subprocess, sys, time
+from tf_lars.distribute._process import die_with_parent
+out, mode = sys.argv[1], sys.argv[2]
+if mode == "parent":  # a test run that starts a launcher, then is killed
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tf_lars.distribute.launch", *sys.argv[3:]],
+        start_new_session=True, preexec_fn=die_with_parent,
+    )
+    with open(os.path.join(out, "launcher"), "w") as handle:
+        handle.write(str(launcher.pid))
+    time.sleep(300)
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-out = sys.argv[1]
-if sys.argv[2] == "child":
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    with open(os.path.join(out, f"child-{index}"), "w") as handle:
-        handle.write(str(child.pid))
+if mode in ("child", "sleep"):
+    pid = subprocess.Popen(["sleep", "300"]).pid if mode == "child" else os.getpid()
+    with open(os.path.join(out, f"{mode}-{index}"), "w") as handle:
+        handle.write(str(pid))
+    if mode == "sleep":
+        time.sleep(300)
 elif index == 1:
     with open(os.path.join(out, "hung"), "w") as handle:
         handle.write(str(os.getpid()))
@@ -163,6 +80,7 @@ def _launch(args, tmp_path, *program_args, timeout=120):
         text=True,
         timeout=timeout,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
 
 
@@ -181,66 +99,6 @@ def _gone_soon(pid, seconds=10.0):
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return not _running(pid)
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["--cluster", '{"worker": ["localhost:²"]}'],
-            "error: Address 'localhost:²' must end with a port in 1..65535.",
-        ),
-        (
-            ["--cluster", "@{tmp}/binary.json"],
-            "error: `--cluster @{tmp}/binary.json` is not UTF-8 text (a JSON file "
-            "was expected).",
-        ),
-        (
-            ["--cluster", '{"worker": ["localhost:2001", "localhost:2002"]}']
-            + ["--tasks", "worker:²"],
-            "error: `--tasks` names 'worker:²': the index after ':' must be a "
-            "non-negative int, e.g. 'worker:0'.",
-        ),
-        (
-            ["--log-dir", "{tmp}/a-file"],
-            "error: argument --log-dir: must be a directory (it is created if "
-            "missing). Received: '{tmp}/a-file'",
-        ),
-        (
-            ["--python", "/nonexistent"],
-            "error: argument --python: must be an executable Python interpreter. "
-            "Received: '/nonexistent'",
-        ),
-        (
-            ["--host", ""],
-            "error: argument --host: must be a host name or IP address. Received: ''",
-        ),
-        (
-            ["--timeout", "0"],
-            "error: argument --timeout: must be a finite number > 0. Received: '0'",
-        ),
-    ],
-)
-def test_launcher_bad_input_is_one_line_and_status_2(tmp_path, args, message):
-    (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
-    (tmp_path / "a-file").write_text("not a directory")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = _launch(["--mode", "sync", "--network", "host", *args], tmp_path, "x")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [
-        message.replace("{tmp}", str(tmp_path))
-    ]
-    assert result.stdout == ""
-
-
-def test_a_cluster_file_without_end_is_refused_after_a_mebibyte(tmp_path):
-    result = _launch(["--mode", "sync", "--cluster", "@/dev/zero"], tmp_path, "x")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "error: `--cluster @/dev/zero` is larger than 1048576 bytes; a cluster "
-        "file is a small JSON object."
-    ]
 
 
 @pytest.mark.slow
@@ -280,6 +138,37 @@ def test_children_of_a_finished_task_do_not_outlive_the_launcher(tmp_path):
     for index in (0, 1):
         child = int((tmp_path / f"child-{index}").read_text())
         assert _gone_soon(child), f"worker {index}'s child {child} still runs"
+
+
+def test_a_killed_test_run_leaves_no_launcher_or_task_behind(tmp_path):
+    """kill -9 of the process that started a launcher (as of a pytest run):
+    the launcher, then its tasks (each in a session of its own, so no group
+    signal reaches them), die with it."""
+    program = tmp_path / "program.py"
+    program.write_text(PROGRAM)
+    launcher_args = ["--mode", "sync", "--workers", "2", "--network", "host"]
+    launcher_args += ["--log-dir", str(tmp_path / "logs"), "--"]
+    parent = subprocess.Popen(
+        [sys.executable, str(program), str(tmp_path), "parent", *launcher_args]
+        + [str(program), str(tmp_path), "sleep"],
+        cwd=REPO,
+        env=launcher_env(),
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    try:
+        started = [tmp_path / name for name in ("launcher", "sleep-0", "sleep-1")]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.read_text() for p in started):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in started]
+        assert all(map(_running, pids))
+    finally:
+        parent.kill()
+        parent.wait(10)
+    for pid in pids:
+        assert _gone_soon(pid), f"{pid} outlived the killed test run"
 
 
 # ----------------------------------------------------------- BackupAndRestore

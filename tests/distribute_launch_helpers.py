@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from tf_lars.distribute._process import die_with_parent
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The program the launcher runs in these tests (a script path).
 EXAMPLE = os.path.join("examples", "agn_digits.py")
@@ -69,6 +71,7 @@ class LaunchedCluster:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -179,6 +182,7 @@ def start_launcher(log_dir, launcher_args, program, stderr=subprocess.STDOUT):
         stderr=stderr,
         text=True,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
 
 

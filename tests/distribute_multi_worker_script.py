@@ -11,6 +11,20 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+if __name__ == "__main__" and sys.argv[1] in ("run_main", "start_timeout"):
+    # `run_main`'s statuses for TF_CONFIG's task, or the start-up watchdog
+    # (`start_timeout` seconds): before the cases below import TensorFlow.
+    from tf_lars import distribute
+
+    def _start(mode, *arguments):
+        if mode == "run_main":
+            distribute.parse_tf_config(mode="sync")
+        else:
+            distribute.multi_worker_strategy(start_timeout=float(arguments[0]))
+        print("started")
+
+    distribute.run_main(_start, *sys.argv[1:])
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -1,6 +1,6 @@
 """MultiWorkerMirroredStrategy: two worker processes on loopback addresses
-against one process on the same global batches; TF_CONFIG checks for the
-synchronous mode; `run_main`'s exit statuses; the launcher's `--tasks`."""
+against one process on the same global batches; the start-up watchdog
+(TF_CONFIG's checks: distribute_tf_config_test.py)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.distribute_launch_helpers import REPO, launcher_env
-from tf_lars.distribute import TFConfigError, parse_tf_config
+from tf_lars.distribute._process import die_with_parent
 
 SCRIPT = os.path.join(REPO, "tests", "distribute_multi_worker_script.py")
 TIMEOUT = 240
@@ -35,6 +35,7 @@ def _run_all(commands_envs, timeout):
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         for command, env in commands_envs
     ]
@@ -236,130 +237,16 @@ def test_embedding_gradient_stays_sparse_under_multi_worker(results):
     assert results["worker0"]["loop_sparse"].tolist() == [True, False, False]
 
 
-# ------------------------------------------------------------- TF_CONFIG
-def _config(cluster, task=None):
-    return json.dumps(
-        {"cluster": cluster, "task": task or {"type": "worker", "index": 0}}
-    )
-
-
-def test_sync_mode_accepts_workers_only_and_refuses_ps():
-    config = parse_tf_config(
-        _config({"worker": ["localhost:1", "localhost:2"]}), mode="sync"
-    )
-    assert (config.task_type, config.task_index, config.num_workers) == (
-        "worker",
-        0,
-        2,
-    )
-    with pytest.raises(TFConfigError, match="'ps' tasks, but synchronous"):
-        parse_tf_config(
-            _config({"worker": ["localhost:1"], "ps": ["localhost:2"]}), mode="sync"
-        )
-
-
-def test_task_index_is_required():
-    with pytest.raises(TFConfigError, match="must have an 'index'"):
-        parse_tf_config(
-            _config({"worker": ["localhost:1"]}, {"type": "worker"}), mode="sync"
-        )
-
-
-@pytest.mark.parametrize("other", ["127.0.0.1:2002", "LOCALHOST:2002", "[::1]:2002"])
-def test_loopback_names_of_one_socket_are_duplicates(other):
-    with pytest.raises(TFConfigError, match="is used by both worker:0 and worker:1"):
-        parse_tf_config(_config({"worker": ["localhost:2002", other]}), mode="sync")
-
-
-def _python(code, env_extra):
-    env = launcher_env()
-    env.update(env_extra)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-@pytest.mark.parametrize(
-    "tf_config",
-    [
-        "{not json",
-        _config({"worker": ["localhost:1"], "ps": ["localhost:2"]}),
-        _config({"worker": ["localhost:1"]}, {"type": "worker"}),
-    ],
-)
-def test_run_main_turns_a_bad_tf_config_into_one_line_and_status_2(tf_config):
-    code = (
-        "from tf_lars import distribute\n"
-        "def main():\n"
-        "    distribute.parse_tf_config(mode='sync')\n"
-        "    print('started')\n"
-        "distribute.run_main(main)\n"
-    )
-    result = _python(code, {"TF_CONFIG": tf_config})
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    # TensorFlow's own import-time lines (absl, oneDNN) may precede it; the
-    # program's output is the one error line, no traceback.
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert result.stderr.strip().splitlines()[-1] == lines[0]
-
-
-def test_run_main_passes_the_status_through():
-    result = _python(
-        "from tf_lars import distribute\ndistribute.run_main(lambda: 0)\n", {}
-    )
-    assert result.returncode == 0, result.stderr
-
-
-def test_launch_tasks_with_a_bad_index_is_one_line_and_status_2(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tf_lars.distribute.launch",
-            "--log-dir",
-            str(tmp_path),
-            "--network",
-            "host",
-            "--tasks",
-            "worker:x",
-            "--",
-            "examples/agn_digits.py",
-        ],
-        cwd=REPO,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: `--tasks` names 'worker:x': the index after ':' must be a "
-        "non-negative int, e.g. 'worker:0'."
-    )
-
-
 def test_a_worker_that_never_starts_is_named_after_the_timeout():
     # Only worker 0 of two runs; worker 1's port stays closed.
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
-    code = (
-        "from tf_lars import distribute\n"
-        "distribute.multi_worker_strategy(start_timeout=8)\n"
-        "print('started')\n"
-    )
     env = launcher_env()
     env["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": 0}}
     )
-    codes, outputs = _run_all([([sys.executable, "-c", code], env)], 120)
+    codes, outputs = _run_all(
+        [([sys.executable, SCRIPT, "start_timeout", "8"], env)], 120
+    )
     # Ended by the watchdog: SIGTERM, or SIGKILL when TF holds off SIGTERM.
     assert codes[0] in (-15, -9), outputs[0][-3000:]
     assert "started" not in outputs[0]

@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+from tf_lars.distribute._process import die_with_parent
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "distribute_ps_script.py")
 
@@ -28,6 +30,7 @@ def result():
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     try:
         out, _ = proc.communicate(timeout=240)

@@ -1,9 +1,10 @@
 """Accumulated Gradient Normalization (Hermans, Spanakis, Möckel 2017).
 
 `AGN` is the public optimizer. In one process it holds every role; under
-`tf.distribute.ParameterServerStrategy` it holds the center side only (see
-the class docstring) and `tf_lars.distribute` adds the worker side. The
-module-level helpers below are shared with `tf_lars.distribute.ps_agn`.
+`tf.distribute.ParameterServerStrategy` it holds the center side only and
+`tf_lars.distribute.ParameterServerAGN` adds the worker side. The rule
+(`local_step`, `reset`, `commit_gradients`, `apply_commit`) is written once,
+here, and both modes (and `tf-lars lowcomm`) call it.
 """
 
 # ruff: noqa: E402
@@ -39,13 +40,9 @@ __all__ = ["AGN"]
 _BASE_DEFAULTS = {"learning_rate": None, **BASE_ARGUMENT_DEFAULTS}
 
 
-def is_loss_scale_optimizer(optimizer):
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-
 def unwrap_loss_scale(optimizer):
     """The optimizer that applies unscaled gradients."""
-    if is_loss_scale_optimizer(optimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
 
@@ -75,7 +72,8 @@ def local_step(writer, local_optimizer, local_variables, accumulators, grads):
             the accumulators.
         local_optimizer: applies the step to `local_variables`.
         local_variables: list of variables.
-        accumulators: list of variables, one per local variable.
+        accumulators: list of variables, one per local variable (empty with
+            an outer optimizer: nothing is accumulated).
         grads: list, one gradient (or None) per local variable, of
             `local_optimizer.scale_loss(loss)`.
 
@@ -88,12 +86,9 @@ def local_step(writer, local_optimizer, local_variables, accumulators, grads):
             f"`grads` must have one entry per local variable "
             f"({len(local_variables)}). Received {len(grads)}."
         )
-    if is_loss_scale_optimizer(local_optimizer):
-        finite = all_finite(grads)
-        scale = tf.convert_to_tensor(local_optimizer.scale_loss(1.0))
-    else:
-        finite = tf.constant(True)
-        scale = local_optimizer.scale_loss(1.0)
+    finite, scale = tf.constant(True), local_optimizer.scale_loss(1.0)
+    if isinstance(local_optimizer, keras.optimizers.LossScaleOptimizer):
+        finite, scale = all_finite(grads), tf.convert_to_tensor(scale)
     pairs = [(g, v) for g, v in zip(grads, local_variables) if g is not None]
     if pairs:
         local_optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
@@ -107,12 +102,16 @@ def local_step(writer, local_optimizer, local_variables, accumulators, grads):
     return finite
 
 
-def reset(writer, local_variables, center_variables, accumulators):
-    """`local <- center`, `accumulators <- 0`, written through `writer`."""
-    for local, center in zip(local_variables, center_variables):
-        writer.assign(local, center)
-    for accumulator in accumulators:
-        writer.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
+def reset(agn, local_variables, center_variables, saved):
+    """The pull, written through `agn`: `local <- center`, and `saved` (the
+    accumulators) `<- 0`, or with an outer optimizer (the pulled copy)
+    `<- center`, read once."""
+    for i, (local, center) in enumerate(zip(local_variables, center_variables)):
+        value = tf.convert_to_tensor(center)
+        agn.assign(local, value)
+        if saved:
+            outer = agn.outer_optimizer is not None
+            agn.assign(saved[i], value if outer else tf.zeros_like(value))
 
 
 def pseudo_gradients(pulled_variables, local_variables):
@@ -132,12 +131,35 @@ def normalized(accumulators, period):
     return [tf.convert_to_tensor(a) / tf.cast(period, a.dtype) for a in accumulators]
 
 
-class _Untracked:
-    """Holds lists of variables out of the checkpoint's object graph.
+def commit_gradients(agn, saved, local_variables):
+    """What a commit applies to the center: the accumulators (`saved`) / the
+    period, or with an outer optimizer the pseudo-gradient `saved - local`
+    (`saved`: the pulled copy)."""
+    if agn.outer_optimizer is None:
+        return normalized(saved, agn.communication_period)
+    return pseudo_gradients(saved, local_variables)
 
-    The copies it holds are checkpointed once, as optimizer variables; a
-    tracked list would add a second path to them.
+
+def apply_commit(agn, optimizer, grads, centers, local_steps=0):
+    """Applies one commit to `centers` and counts it in `agn.commits` (and
+    `local_steps` more in `agn.local_steps`); returns both counts, read after.
+
+    The counters are written after reads of every center-side variable, so
+    that a `tf.CriticalSection` returning the counts holds the whole update.
     """
+    optimizer.apply(grads, centers)
+    done = [tf.convert_to_tensor(v) for v in centers + optimizer.variables]
+    with tf.control_dependencies(done):
+        if local_steps:
+            agn.assign_add(agn.local_steps, tf.constant(local_steps, tf.int64))
+        agn.assign_add(agn._commits, tf.constant(1, tf.int64))
+    # Reads after the writes (same variables: program order).
+    return tf.convert_to_tensor(agn._commits), tf.convert_to_tensor(agn.local_steps)
+
+
+class _Untracked:
+    """Holds lists of variables out of the checkpoint's object graph (they
+    are checkpointed once, as optimizer variables)."""
 
     def __init__(self, **values):
         self.__dict__.update(values)
@@ -149,51 +171,30 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     Each worker trains a local copy of the model with the inner optimizer and
     adds every raw gradient to an accumulator. Every `communication_period`
-    local steps it commits: the accumulator divided by the period is applied
-    to the center variables by the inner optimizer, the local copy is reset to
-    the center, and the accumulator to zero (the TF contrib `AGNOptimizer`
-    seed, with the Keras 3 inner optimizer in place of the TF1 one). The rule
-    is stated once, in docs/algorithms.md, section "AGN".
+    local steps it commits: the accumulator / period is applied to the center
+    by the inner optimizer, the local copy is reset to the center and the
+    accumulator to zero (the TF contrib `AGNOptimizer` seed). With an
+    `outer_optimizer` (asynchronous DiLoCo) a commit applies it to the center
+    with the pseudo-gradient `pulled - local` instead (no accumulators). The
+    rules: docs/algorithms.md, "AGN" and "AGN with an outer optimizer".
 
-    Two ways to run it:
-
-    * **One process** (default strategy): `model.compile(optimizer=AGN(...))`
-      and `model.fit`, or `apply` in a custom loop. The model's variables are
-      the local copy; the center variables, the accumulators and a second
-      copy of the inner optimizer (for the center) are optimizer state. The
-      commit is an on-device `tf.cond`, so the step compiles with XLA.
-    * **Parameter servers** (`tf.distribute.ParameterServerStrategy`): create
-      the model and the `AGN` under `strategy.scope()` and train with
+    * **One process** (default strategy): `model.fit`, or `apply` in a custom
+      loop. The model's variables are the local copy; the center, the
+      accumulators and a copy of the inner optimizer for the center are
+      optimizer state; the commit is an on-device `tf.cond` (XLA compiles it).
+    * **Parameter servers**: create the model and the `AGN` under
+      `strategy.scope()` and train with
       `tf_lars.distribute.ParameterServerTrainer`. The model's variables are
-      the center (on the parameter servers); this object holds the
-      center-side state, checkpointed with the model: the inner optimizer's
-      slots (on the center) and the commit counter. The trainer adds the
-      worker side (`tf_lars.distribute.ParameterServerAGN`): each worker's
-      local copy, accumulators and inner-optimizer slots (worker-local, never
-      checkpointed), and commits that run the inner optimizer on the
-      parameter servers inside a `tf.CriticalSection`, so concurrent commits
-      from several workers are applied one at a time (as the seed's
-      `use_locking=True`): none is lost, and the commit counter is exact.
-      Under this strategy `apply`, `local_update`, `pull`, `commit` and the
-      worker-side read-outs (`local_variables`, `accumulators`,
-      `local_optimizer`) of this class raise.
+      the center; this object holds the center side (the inner or outer
+      optimizer's slots, the commit counter), saved with the model; the
+      worker side is `tf_lars.distribute.ParameterServerAGN`'s, whose commits
+      are applied one at a time (a `tf.CriticalSection`: none is lost).
+      `apply`, `local_update`, `pull`, `commit`, `local_variables`,
+      `accumulators` and `local_optimizer` raise here.
 
-    If the inner optimizer is a loss-scale optimizer, gradients are unscaled
-    before they are accumulated, a skipped (non-finite) step adds nothing and
-    does not count towards the period, and the center is updated by the
-    wrapped optimizer without loss scaling.
-
-    **With an outer optimizer** (asynchronous DiLoCo): a commit applies
-    `outer_optimizer` to the center with the pseudo-gradient `pulled - local`
-    (how far the local copy moved since its last pull) as its gradient,
-    instead of the inner optimizer with the normalized accumulation; no
-    accumulators are kept. The outer optimizer's slots live with the center
-    (on the parameter servers, created under the same `strategy.scope()`)
-    and are saved with the model. With a plain-SGD inner optimizer,
-    `outer_optimizer=SGD(1 / communication_period)` takes AGN's own commit.
-    The rule is docs/algorithms.md's "AGN with an outer optimizer";
-    docs/guides/low-communication.md says what staleness does to the outer
-    momentum, and the settings of the paper.
+    With a loss-scale inner optimizer gradients are unscaled before they are
+    accumulated, and a skipped (non-finite) step adds nothing and does not
+    count towards the period.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Applies the local steps
@@ -248,12 +249,10 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         outer_optimizer=None,
         **kwargs,
     ):
-        for arg_name, default in _BASE_DEFAULTS.items():
-            if arg_name not in kwargs:
-                continue
+        for arg_name in _BASE_DEFAULTS.keys() & kwargs.keys():
             value = kwargs.pop(arg_name)
-            accepted = (None, 0.0) if arg_name == "learning_rate" else (default,)
-            if value not in accepted:
+            accepted = (None, 0.0) if arg_name == "learning_rate" else ()
+            if value not in (*accepted, _BASE_DEFAULTS[arg_name]):
                 raise ValueError(
                     f"`{arg_name}` is not supported by AGN; set it on "
                     f"`inner_optimizer`. Received: {arg_name}={value!r}"
@@ -269,11 +268,6 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
                 f"instance. Received: inner_optimizer={inner_optimizer!r}"
             )
-        if takes_outer_steps(inner_optimizer):
-            raise ValueError(
-                "`inner_optimizer` must not be an AGN or a DiLoCo: each takes "
-                f"outer steps of its own. Received: inner_optimizer={inner_optimizer!r}"
-            )
         check_inner_learning_rate(inner_optimizer)
         if (
             isinstance(communication_period, bool)
@@ -287,11 +281,12 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         check_step_count("communication_period", int(communication_period))
         if outer_optimizer is not None:
             check_outer_optimizer(outer_optimizer, inner_optimizer)
-            if takes_outer_steps(outer_optimizer):
+        for argument, value in (("inner", inner_optimizer), ("outer", outer_optimizer)):
+            if takes_outer_steps(value):
                 raise ValueError(
-                    "`outer_optimizer` must not be an AGN or a DiLoCo: each "
-                    "takes outer steps of its own. Received: "
-                    f"outer_optimizer={outer_optimizer!r}"
+                    f"`{argument}_optimizer` must not be an AGN or a DiLoCo: each "
+                    f"takes outer steps of its own. Received: {argument}_optimizer"
+                    f"={value!r}"
                 )
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer
@@ -413,21 +408,13 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def local_steps(self):
-        """Local steps taken so far, an int64 `keras.Variable`.
-
-        One process: steps applied since the start (a skipped non-finite step
-        does not count). Parameter servers: local steps committed by all
-        workers together (`communication_period` per commit).
-        """
+        """Local steps so far, an int64 `keras.Variable`: applied ones (one
+        process), or committed by all workers together (parameter servers)."""
         return _internals.iterations_variable(self)
 
     @property
     def local_variables(self):
-        """The variables the local steps update: the model's variables.
-
-        One process only; under parameter servers the local copies are
-        worker-local (`tf_lars.distribute.ParameterServerAGN`).
-        """
+        """The variables the local steps update: the model's (one process)."""
         self._require_one_process("local_variables")
         return list(self._roles.model)
 
@@ -452,13 +439,8 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     @property
     def center_optimizer(self):
-        """The optimizer instance that applies commits to the center.
-
-        The outer optimizer if there is one. Otherwise, one process: a copy
-        of the inner optimizer (without loss scaling); parameter servers: the
-        inner optimizer itself (without loss scaling), whose slots live on the
-        parameter servers.
-        """
+        """The optimizer that applies commits: the outer optimizer, else the
+        inner one without loss scaling (one process: a copy of it)."""
         self._require_built("center_optimizer")
         if self.outer_optimizer is not None:
             return self.outer_optimizer
@@ -568,18 +550,15 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         return index
 
     def local_update(self, grads):
-        """Applies one local step and accumulates its unscaled gradient.
-
-        One-process mode only.
+        """One local step (one process), its unscaled gradient accumulated.
 
         Args:
             grads: list, one gradient (or `None`) per entry of
                 `local_variables`, of `scale_loss(loss)`.
 
         Returns:
-            A scalar bool tensor: whether the step was applied (always true
-            unless the inner optimizer is a loss-scale optimizer that skipped
-            a non-finite step).
+            A scalar bool tensor: whether the step was applied (false when a
+            loss-scale inner optimizer skipped a non-finite step).
         """
         self._require_one_process("local_update")
         roles = self._roles
@@ -594,10 +573,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         reset(self, roles.model, roles.centers, roles.accumulators)
 
     def commit(self):
-        """Applies the accumulated gradient / period to the center (with an
-        outer optimizer: the pseudo-gradient), then pulls.
-
-        One-process mode only.
+        """Applies the commit to the center, then pulls (one process).
 
         Returns:
             The number of commits after this one, an int64 scalar tensor.
@@ -608,12 +584,10 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
 
     def _commit_and_pull(self):
         roles = self._roles
-        if self.outer_optimizer is None:
-            grads = normalized(roles.accumulators, self.communication_period)
-        else:
-            grads = pseudo_gradients(roles.centers, roles.model)
-        self._center_optimizer.apply(grads, roles.centers)
-        self.assign_add(self._commits, tf.constant(1, tf.int64))
+        # With an outer optimizer the centers are the pulled copy.
+        saved = roles.accumulators if self.outer_optimizer is None else roles.centers
+        grads = commit_gradients(self, saved, roles.model)
+        apply_commit(self, self._center_optimizer, grads, roles.centers)
         self.pull()
         return tf.constant(True)
 

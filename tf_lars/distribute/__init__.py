@@ -28,52 +28,35 @@ from tf_lars import _require_tensorflow_backend
 
 _require_tensorflow_backend("tf_lars.distribute")
 
-from tf_lars.distribute.run import run_main  # noqa: E402
-from tf_lars.distribute.tf_config import (  # noqa: E402
+from tf_lars.distribute.run import run_main  # noqa: E402, F401
+from tf_lars.distribute.tf_config import (  # noqa: E402, F401
     TFConfig,
     TFConfigError,
     parse_tf_config,
 )
 
 _LAZY = {
-    "serve": "tf_lars.distribute.cluster",
-    "connect": "tf_lars.distribute.cluster",
-    "in_process_cluster": "tf_lars.distribute.cluster",
-    "pick_free_port": "tf_lars.distribute.cluster",
+    **dict.fromkeys(
+        ("serve", "connect", "in_process_cluster", "pick_free_port"),
+        "tf_lars.distribute.cluster",
+    ),
     "ParameterServerAGN": "tf_lars.distribute.ps_agn",
-    "ParameterServerTrainer": "tf_lars.distribute.trainer",
-    "ParameterServerFailure": "tf_lars.distribute.trainer",
-    "BackupAndRestore": "tf_lars.distribute.multi_worker",
-    "enable_multi_worker_fit": "tf_lars.distribute.multi_worker",
-    "multi_worker_strategy": "tf_lars.distribute.multi_worker",
-    "is_chief": "tf_lars.distribute.multi_worker",
-    "DiLoCoBackup": "tf_lars.distribute.diloco",
-    "DiLoCoSync": "tf_lars.distribute.diloco",
-    "Traffic": "tf_lars.distribute.diloco",
-    "synchronize": "tf_lars.distribute.diloco",
+    **dict.fromkeys(
+        ("ParameterServerTrainer", "ParameterServerFailure"),
+        "tf_lars.distribute.trainer",
+    ),
+    **dict.fromkeys(
+        ("BackupAndRestore", "enable_multi_worker_fit", "multi_worker_strategy")
+        + ("is_chief",),
+        "tf_lars.distribute.multi_worker",
+    ),
+    **dict.fromkeys(
+        ("DiLoCoBackup", "DiLoCoSync", "Traffic", "synchronize"),
+        "tf_lars.distribute.diloco",
+    ),
 }
 
-__all__ = [
-    "BackupAndRestore",
-    "DiLoCoBackup",
-    "DiLoCoSync",
-    "ParameterServerAGN",
-    "ParameterServerFailure",
-    "ParameterServerTrainer",
-    "TFConfig",
-    "TFConfigError",
-    "connect",
-    "enable_multi_worker_fit",
-    "in_process_cluster",
-    "is_chief",
-    "multi_worker_strategy",
-    "parse_tf_config",
-    "pick_free_port",
-    "run_main",
-    "serve",
-    "synchronize",
-    "Traffic",
-]
+__all__ = sorted([*_LAZY, "TFConfig", "TFConfigError", "parse_tf_config", "run_main"])
 
 
 def __getattr__(name):

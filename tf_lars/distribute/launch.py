@@ -38,7 +38,6 @@ multi-worker.md) say more.
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import fcntl
 import json
 import math
@@ -53,7 +52,7 @@ import tempfile
 import threading
 import time
 
-from tf_lars.distribute import logs
+from tf_lars.distribute import _process, logs
 from tf_lars.distribute import tf_config as tf_config_lib
 from tf_lars.distribute.cluster import bind_host, local_cluster
 from tf_lars.distribute.run import EXIT_CLUSTER, EXIT_CONFIG
@@ -100,9 +99,9 @@ def enter_private_network():
         OSError: the kernel (or platform) refuses; this process is unchanged.
         NamespaceSetupError: entered but not set up (uid map, loopback).
     """
-    if not sys.platform.startswith("linux"):
+    libc = _process._LIBC
+    if libc is None:
         raise OSError("network namespaces exist only on Linux")
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(_CLONE_NEWNET | (_CLONE_NEWUSER if uid else 0)) != 0:
         errno = ctypes.get_errno()
@@ -157,6 +156,7 @@ class Task:
             stdout=subprocess.PIPE if echo else log,
             stderr=log if echo else subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_process.die_with_parent,  # killed with the launcher
         )
         self._group, self.reported_exit = self.process.pid, False
         if echo:

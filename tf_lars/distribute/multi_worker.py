@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from tf_lars import _internals
+from tf_lars.distribute import _process
 from tf_lars.distribute import tf_config as tf_config_lib
 from tf_lars.distribute.logs import log_tensorflow_records_once
 
@@ -183,32 +184,6 @@ def _is_chief_task(cluster, task_type, task_index):
     return task_type == "worker" and task_index == 0
 
 
-# Runs in its own process: argv is the pipe's fd, the pid to end, the timeout,
-# the message (with %s for the tasks) and {address: label} of the other tasks.
-_WATCHDOG = """
-import json, os, select, signal, socket, sys, time
-fd, parent, timeout, message, others = (int(sys.argv[1]), int(sys.argv[2]),
-    float(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
-if select.select([fd], [], [], timeout)[0]:
-    sys.exit(0)  # a byte (started) or EOF (the parent ended)
-missing = []
-for address, label in others.items():
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
-    except OSError:
-        missing.append(label)
-print(message % (", ".join(missing) or "some tasks (all ports answer)"),
-      file=sys.stderr, flush=True)
-for signum, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
-    try:
-        os.kill(parent, signum)
-    except OSError:
-        break
-    time.sleep(wait)
-"""
-
-
 def _start_watchdog(config, start_timeout):
     """A separate process that ends this one if the cluster does not start.
 
@@ -233,10 +208,11 @@ def _start_watchdog(config, start_timeout):
         "(MultiWorkerMirroredStrategy). Start it, or fix TF_CONFIG."
     )
     subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, str(read_fd), str(os.getpid())]
+        [sys.executable, _process.__file__, str(read_fd), str(os.getpid())]
         + [str(start_timeout), message, json.dumps(others)],
         pass_fds=(read_fd,),
         stdin=subprocess.DEVNULL,
+        preexec_fn=_process.die_with_parent,
     )
     os.close(read_fd)
     return write_fd

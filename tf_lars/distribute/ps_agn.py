@@ -8,15 +8,8 @@ import keras
 import tensorflow as tf
 
 from tf_lars import _internals
+from tf_lars import agn as agn_rule
 from tf_lars._exclusions import mark_stand_in
-from tf_lars.agn import (
-    AGN,
-    clone_optimizer,
-    local_step,
-    normalized,
-    pseudo_gradients,
-    reset,
-)
 
 _ids = itertools.count()
 
@@ -129,7 +122,7 @@ def check_strategy_and_agn(strategy, agn, argument):
             "`strategy` must be a `tf.distribute.ParameterServerStrategy`. "
             f"Received: strategy={strategy!r}"
         )
-    if not isinstance(agn, AGN) or not agn.is_parameter_server:
+    if not isinstance(agn, agn_rule.AGN) or not agn.is_parameter_server:
         raise ValueError(
             f"`{argument}` must be a `tf_lars.AGN` created under "
             f"`strategy.scope()`. Received: {argument}={agn!r}"
@@ -234,7 +227,9 @@ class ParameterServerAGN:
             self.accumulators = [
                 _worker_variable(v, role) for v in self.center_variables
             ]
-            self.local_optimizer = clone_optimizer(agn.inner_optimizer, "local")
+            self.local_optimizer = agn_rule.clone_optimizer(
+                agn.inner_optimizer, "local"
+            )
             self.local_optimizer.build(self.local_variables)
         self.commits = agn.commits
         self.local_steps = agn.local_steps
@@ -244,21 +239,14 @@ class ParameterServerAGN:
         return self.local_optimizer.scale_loss(loss)
 
     # ------------------------------------------------------------ the round
+    # `tf_lars.agn`'s rule, on the worker-local variables (`accumulators` hold
+    # the pulled copy with an outer optimizer).
     def pull(self):
         """Resets the worker's local copy to the center, accumulators to 0
-        (with an outer optimizer: both the local copy and the pulled copy to
-        the center, read once)."""
-        if self.agn.outer_optimizer is None:
-            reset(
-                self.agn, self.local_variables, self.center_variables, self.accumulators
-            )
-            return
-        for local, pulled, center in zip(
-            self.local_variables, self.accumulators, self.center_variables, strict=True
-        ):
-            value = tf.convert_to_tensor(center)
-            self.agn.assign(pulled, value)
-            self.agn.assign(local, value)
+        (with an outer optimizer: the local and the pulled copy to the center)."""
+        agn_rule.reset(
+            self.agn, self.local_variables, self.center_variables, self.accumulators
+        )
 
     def local_update(self, grads):
         """One local step on the worker; accumulates its unscaled gradient.
@@ -272,7 +260,7 @@ class ParameterServerAGN:
             loss-scale inner optimizer skipped a non-finite step).
         """
         accumulators = self.accumulators if self.agn.outer_optimizer is None else []
-        return local_step(
+        return agn_rule.local_step(
             self.agn,
             self.local_optimizer,
             self.local_variables,
@@ -282,41 +270,26 @@ class ParameterServerAGN:
 
     def commit(self):
         """Applies the accumulated gradient / period to the center (with an
-        outer optimizer: the pseudo-gradient `pulled - local`).
-
-        Serialized with the other workers' commits at the parameter server;
-        the next round starts with `pull`.
+        outer optimizer: the pseudo-gradient `pulled - local`), one worker's
+        commit at a time at the parameter server; the next round starts with
+        `pull`.
 
         Returns:
             The number of commits after this one, an int64 scalar tensor.
         """
-        agn = self.agn
-        period = self.communication_period
-        center = self.center_variables
-        center_optimizer = self.center_optimizer
         # Computed on the worker: one tensor per variable travels.
-        if agn.outer_optimizer is None:
-            grads = normalized(self.accumulators, period)
-        else:
-            grads = pseudo_gradients(self.accumulators, self.local_variables)
-
-        def critical():
-            center_optimizer.apply(grads, center)
-            # The lock is released once the returned tensors exist; reading
-            # every center-side variable makes the whole update part of them.
-            done = [
-                tf.convert_to_tensor(v) for v in center + center_optimizer.variables
-            ]
-            with tf.control_dependencies(done):
-                agn.assign_add(agn.local_steps, tf.constant(period, tf.int64))
-                agn.assign_add(agn.commits, tf.constant(1, tf.int64))
-            # Reads after the writes (same variables: program order).
-            return (
-                tf.convert_to_tensor(agn.commits),
-                tf.convert_to_tensor(agn.local_steps),
+        grads = agn_rule.commit_gradients(
+            self.agn, self.accumulators, self.local_variables
+        )
+        commits, _ = self._lock.execute(
+            lambda: agn_rule.apply_commit(
+                self.agn,
+                self.center_optimizer,
+                grads,
+                self.center_variables,
+                self.communication_period,
             )
-
-        commits, _ = self._lock.execute(critical)
+        )
         return commits
 
 
