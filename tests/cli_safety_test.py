@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.cli_helpers import process_env, run_python
+from tests.cli_helpers import process_env, refused_before_tensorflow, run_python
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -415,17 +415,6 @@ def test_a_run_name_longer_than_a_folder_name_is_named(
 
 
 # ------------------------------------------- checked before TensorFlow
-PROBE = textwrap.dedent(
-    """
-    import sys
-    sys.argv = ["/usr/bin/tf-lars"]
-    from tf_lars.cli.main import main
-    code = main(ARGV)
-    print("CODE", code, "TENSORFLOW", "tensorflow" in sys.modules)
-    """
-)
-
-
 @pytest.mark.parametrize(
     "argv, expected",
     [
@@ -452,14 +441,4 @@ def test_config_mistakes_are_reported_before_tensorflow_is_imported(
         x_test=np.zeros((2, 3)),
         y_test=np.arange(2),
     )
-    process = subprocess.run(
-        [sys.executable, "-c", PROBE.replace("ARGV", repr(argv))],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=process_env(),
-        timeout=TIMEOUT,
-    )
-    assert process.stdout.strip() == "CODE 2 TENSORFLOW False", process.stderr
-    assert expected in process.stderr
-    assert len(process.stderr.strip().splitlines()) == 1, process.stderr
+    assert expected in refused_before_tensorflow(argv, tmp_path)

@@ -189,11 +189,6 @@ def raise_pending(signum=None):
 
     Called from a Keras callback at every batch and epoch end: a point where
     TensorFlow holds no half-built state. A no-op outside `main`.
-
-    Args:
-        signum: a signal another worker of the cluster received (None: none),
-            raised here as if this process had received it, so that every
-            worker stops at the same step (`tf_lars.cli.train`).
     """
     if _SIGNALS is not None:
         if signum and not _SIGNALS.received:
