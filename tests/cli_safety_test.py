@@ -118,42 +118,47 @@ def _start(argv, cwd):
     )
 
 
-def _interrupt_after(process, marker):
-    """Sends SIGINT once stdout shows `marker`; returns (code, out, err)."""
+def _interrupt_after(process, marker, signum=signal.SIGINT):
+    """Sends `signum` once stdout shows `marker`; returns (code, out, err)."""
     seen = []
     deadline = time.monotonic() + TIMEOUT
     for line in process.stdout:
         seen.append(line)
         if marker in line or time.monotonic() > deadline:
             break
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=60)
     return process.returncode, "".join(seen) + out, err
 
 
-def test_ctrl_c_in_train_keeps_the_config_and_history(tmp_path):
+@pytest.mark.parametrize(
+    "signum, name, status",
+    [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)],
+)
+def test_ctrl_c_in_train_keeps_the_config_and_history(signum, name, status, tmp_path):
+    # SIGTERM (a scheduler's preemption) is handled as Ctrl-C is, status 143.
     process = _start(
         ["train", "--set", "run_name=r", "--set", "training.verbose=2",
          "--set", "model.width=4"],
         tmp_path,
     )  # fmt: skip
-    code, out, err = _interrupt_after(process, "Epoch 4/100")
+    code, out, err = _interrupt_after(process, "Epoch 4/100", signum)
     folder = tmp_path / "runs" / "r"
-    assert code == 130, err
+    assert code == status, err
     history = json.loads((folder / "history.json").read_text())
     done = len(history["epoch"])
     assert 3 <= done < 100
     assert history["epoch"] == list(range(1, done + 1))
     assert len(history["loss"]) == len(history["val_accuracy"]) == done
     assert err == (
-        "tf-lars train: interrupted (Ctrl-C); the run folder runs/r keeps "
+        f"tf-lars train: interrupted ({name}); the run folder runs/r keeps "
         f"INTERRUPTED, config.yaml, history.json ({done} of 100 epochs)\n"
     )
     assert sorted(os.listdir(folder)) == ["INTERRUPTED", "config.yaml", "history.json"]
     assert (
         (folder / "INTERRUPTED")
         .read_text()
-        .startswith(f"Interrupted (Ctrl-C) after {done} of 100 epochs.")
+        .startswith(f"Interrupted ({name}) after {done} of 100 epochs.")
     )
     assert "model:\n  name: cnn\n  width: 4\n" in (folder / "config.yaml").read_text()
 

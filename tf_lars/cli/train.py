@@ -1186,13 +1186,12 @@ def _summary(data, distribution, sizes, result, learning_rates):
     """summary.json's record of a finished run."""
     optimizer, learning_rate = result["optimizer"], result["learning_rate"]
     outer = getattr(optimizer, "outer_optimizer", None)  # DiLoCo's, AGN's
+    outer = None if outer is None else keras.optimizers.serialize(outer)
     if not isinstance(learning_rate, float):
         learning_rate = keras.saving.serialize_keras_object(learning_rate)
+    scores = ("train_accuracy", "test_accuracy", "train_loss", "test_loss")
     return {
-        "train_accuracy": result["train_accuracy"],
-        "test_accuracy": result["test_accuracy"],
-        "train_loss": _json_number(result["train_loss"]),
-        "test_loss": _json_number(result["test_loss"]),
+        **{key: _json_number(result[key]) for key in scores},
         "diverged": result["diverged"],
         "diverged_epoch": result["diverged_epoch"],
         "epochs_run": len(result["history"].get("loss", [])),
@@ -1207,16 +1206,10 @@ def _summary(data, distribution, sizes, result, learning_rates):
         "learning_rate_schedule": learning_rate,
         "optimizer": type(optimizer).__name__,
         "inner_optimizer": type(_unwrapped(optimizer)).__name__,
-        "outer_optimizer": (
-            None if outer is None else keras.optimizers.serialize(outer)
-        ),
+        "outer_optimizer": outer,
         "train_seconds": result["seconds"],
         "data": data.source,
-        **(
-            {"communication": result["communication"]}
-            if "communication" in result
-            else {}
-        ),
+        **{key: result[key] for key in ("communication",) if key in result},
     }
 
 
