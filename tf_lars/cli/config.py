@@ -61,7 +61,8 @@ class ConfigError(ValueError):
         self.key = tuple(key.split(".")) if isinstance(key, str) else key
 
 
-def _one_line(error):
+def one_line(error):
+    """`error`'s message on one line."""
     return " ".join(str(error).split())
 
 
@@ -141,13 +142,13 @@ def parse_yaml(text, source):
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
-        raise ConfigError(f"{source}: not valid YAML: {_one_line(error)}") from None
+        raise ConfigError(f"{source}: not valid YAML: {one_line(error)}") from None
     except _Refused as error:
         raise ConfigError(f"{source}: refused: the YAML {error}") from None
     except RecursionError:  # PyYAML composes nested values recursively
         raise ConfigError(f"{source}: refused: the YAML {_TOO_DEEP}") from None
     except ValueError as error:
-        detail = _one_line(error)
+        detail = one_line(error)
         if "integer string conversion" in detail:
             detail = f"an int of more than {sys.get_int_max_str_digits()} digits"
         raise ConfigError(f"{source}: not a config value: {detail}") from None
@@ -580,7 +581,7 @@ def located_message(error, path=None, overrides=()):
     A value set by `--set` (applied last) keeps the message as it is; one
     set in the `--config` file (and not by `--set`) is named by the file.
     """
-    message = _one_line(error)
+    message = one_line(error)
     parts = tuple(str(part) for part in (getattr(error, "key", None) or ()))
     if path is None or not parts:
         return message
@@ -767,7 +768,7 @@ def build_optimizer(spec, learning_rate=None):
         return spec.cls.from_config(arguments)
     except (ValueError, TypeError) as error:
         key = f"{spec.key}.config"
-        raise ConfigError(f"`{key}`: {_one_line(error)}", key) from None
+        raise ConfigError(f"`{key}`: {one_line(error)}", key) from None
 
 
 def optimizer_from_block(block, learning_rate=None, key="optimizer"):

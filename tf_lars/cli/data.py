@@ -14,7 +14,7 @@ import zipfile
 
 import numpy as np
 
-from tf_lars.cli.config import MAX_CLASSES
+from tf_lars.cli.config import MAX_CLASSES, one_line
 
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -116,10 +116,10 @@ def _load_npz(data_config):
     except DataError:
         raise
     except MemoryError as error:
-        raise DataError(f"{where}: cannot read as .npz ({_one_line(error)})") from None
+        raise DataError(f"{where}: cannot read as .npz ({one_line(error)})") from None
     except ValueError as error:
         if "allow_pickle" not in str(error):
-            detail = _one_line(error)
+            detail = one_line(error)
             raise DataError(f"{where}: cannot read as .npz ({detail})") from None
         # NumPy would suggest `allow_pickle=True`, which runs code stored in
         # the file; the arrays must be numeric instead.
@@ -128,7 +128,7 @@ def _load_npz(data_config):
             f"{', '.join(REQUIRED_ARRAYS)} must be numeric arrays"
         ) from None
     except (OSError, zipfile.BadZipFile, EOFError) as error:
-        raise DataError(f"{where}: cannot read as .npz ({_one_line(error)})") from None
+        raise DataError(f"{where}: cannot read as .npz ({one_line(error)})") from None
     arrays = [arrays[name] for name in REQUIRED_ARRAYS]
     return _finish(*arrays, data_config["num_classes"], path, where)
 
@@ -159,10 +159,6 @@ def _check_stored_size(archive, name, where):
             f"the file stores {info.file_size} bytes for it; the file is damaged "
             "or not what numpy.savez writes"
         )
-
-
-def _one_line(error):
-    return " ".join(str(error).split())
 
 
 def _labels(name, y, where):

@@ -76,7 +76,7 @@ def optimizers(method, workers, sync_every, settings, copies=None):
     workers; or the workers' inner optimizers and then the center's (AGN's:
     the inner one; async DiLoCo's: `async_outer` at its learning rate / M).
     """
-    from tf_lars.cli.config import ConfigError
+    from tf_lars.cli.config import ConfigError, one_line
 
     copies = workers if copies is None else copies
     inner = lambda: _optimizer(settings["inner"], "inner_optimizer")  # noqa: E731
@@ -98,7 +98,7 @@ def optimizers(method, workers, sync_every, settings, copies=None):
         except ValueError as error:
             raise ConfigError(
                 f"the run {LABELS[method]}, M={workers}, H={sync_every} is refused, "
-                f"so no run started: {' '.join(str(error).split())}",
+                f"so no run started: {one_line(error)}",
                 key="outer_optimizer",
             ) from None
     if method == "agn":

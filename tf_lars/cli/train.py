@@ -35,6 +35,7 @@ from tf_lars.cli.config import (
     constructor_parameters,
     default_config,
     dump_config,
+    one_line,
     optimizer_spec,
 )
 from tf_lars.cli.main import deferred, pending_signal, raise_pending, run_finished
@@ -329,14 +330,12 @@ def build_schedule(schedule_config, peak_learning_rate, steps_per_epoch, epochs)
             power=schedule_config["power"],
         )
     except ValueError as error:
-        raise ConfigError(f"schedule: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"schedule: {one_line(error)}") from None
     return schedule
 
 
 def wrap_loss_scale(optimizer, loss_scale_config):
     """Wraps `optimizer` in `tf_lars.LossScaleOptimizer` as configured."""
-    import tf_lars
-
     try:
         return tf_lars.LossScaleOptimizer(
             optimizer,
@@ -345,7 +344,7 @@ def wrap_loss_scale(optimizer, loss_scale_config):
             dynamic_growth_steps=loss_scale_config["dynamic_growth_steps"],
         )
     except ValueError as error:
-        raise ConfigError(f"loss_scale: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"loss_scale: {one_line(error)}") from None
 
 
 class _StopOnNonFinite(keras.callbacks.Callback):
@@ -599,7 +598,7 @@ def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
         except Exception as error:  # noqa: BLE001 - reported to the user
             raise ConfigError(
                 "`optimizer.config.learning_rate` is not a loadable learning-rate "
-                f"schedule: {' '.join(str(error).split())}"
+                f"schedule: {one_line(error)}"
             ) from None
     if base_batch_size is not None:
         learning_rate = (
