@@ -325,6 +325,15 @@ TF_CONFIG_ERRORS = [
 ]  # fmt: skip
 
 
+TWO_WORKERS = json.dumps(
+    {"cluster": {"worker": ["localhost:1", "localhost:2"]},
+     "task": {"type": "worker", "index": 1}}
+)  # fmt: skip
+NOT_A_CLUSTER_STRATEGY = (
+    "TF_CONFIG is set (this process is a task of a cluster), so "
+    "`distribute.strategy` must be multi_worker, diloco or parameter_server "
+    "(or unset TF_CONFIG). Received: distribute.strategy='none'"
+)
 PS_TF_CONFIG_ERRORS = [
     (None, "TF_CONFIG is not set. Set it to the cluster description"),
     (json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
@@ -337,7 +346,10 @@ PS_TF_CONFIG_ERRORS = [
 @pytest.mark.parametrize(
     "strategy, tf_config, expected",
     [("multi_worker", *case) for case in TF_CONFIG_ERRORS]
-    + [("parameter_server", *case) for case in PS_TF_CONFIG_ERRORS],
+    + [("parameter_server", *case) for case in PS_TF_CONFIG_ERRORS]
+    # A task of a cluster without a cluster strategy: each task would train
+    # alone and write the same run folder.
+    + [("none", TWO_WORKERS, NOT_A_CLUSTER_STRATEGY)],
 )
 def test_bad_tf_config_is_one_line(
     strategy, tf_config, expected, tmp_path, monkeypatch, one_line_error, run_cli
@@ -353,25 +365,6 @@ def test_bad_tf_config_is_one_line(
     )  # fmt: skip
     assert expected in one_line_error(code, err, "train")
     assert out == ""
-    assert not output.exists()
-
-
-def test_tf_config_without_multi_worker_is_refused(
-    tmp_path, monkeypatch, one_line_error, run_cli
-):
-    # Each task would train alone and write the same run folder.
-    monkeypatch.setenv(
-        "TF_CONFIG",
-        json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
-                    "task": {"type": "worker", "index": 1}}),
-    )  # fmt: skip
-    output = tmp_path / "out"
-    code, _, err = run_cli("train", "--set", f"output_dir={output}")
-    assert (
-        "TF_CONFIG is set (this process is a task of a cluster), so "
-        "`distribute.strategy` must be multi_worker, diloco or parameter_server "
-        "(or unset TF_CONFIG). Received: distribute.strategy='none'"
-    ) in one_line_error(code, err, "train")
     assert not output.exists()
 
 

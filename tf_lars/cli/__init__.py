@@ -25,10 +25,6 @@ def set_tensorflow_log_level(tf_log=False):
 
     Sets `TF_CPP_MIN_LOG_LEVEL=3` unless the user has set it or `tf_log` is
     true. It must run before TensorFlow is imported.
-
-    Args:
-        tf_log: bool, the `--tf-log` option: leave TensorFlow's own default
-            (or the user's `TF_CPP_MIN_LOG_LEVEL`) in place.
     """
     if not tf_log:
         os.environ.setdefault(LEVEL_ENV, "3")
@@ -43,9 +39,6 @@ def import_tensorflow():
     With that level at 1 or more, file descriptor 2 points at /dev/null
     during the import, so the level holds from the first line on. Python
     exceptions are unaffected.
-
-    Returns:
-        The `tensorflow` module.
     """
     if "tensorflow" not in sys.modules and _level() >= 1:
         sys.stderr.flush()

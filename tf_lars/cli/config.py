@@ -27,11 +27,13 @@ import os
 import pathlib
 import re
 import sys
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
-from pydantic_core import PydanticCustomError
+from pydantic import Field
 
 __all__ = [
     "ConfigError",
@@ -59,16 +61,16 @@ class ConfigError(ValueError):
         self.key = tuple(key.split(".")) if isinstance(key, str) else key
 
 
-def _one_line(error):
+def one_line(error):
+    """`error`'s message on one line."""
     return " ".join(str(error).split())
 
 
 # ------------------------------------------------------------------- YAML
-# What a config may be: a few kB of a few hundred values, a handful of
-# levels deep. The bounds refuse a file that would take the memory instead:
-# /dev/zero, or a few hundred bytes of aliases of aliases ("billion laughs").
+# A config is a few kB: the size bound and refusing aliases (no "billion
+# laughs") are all the bounds it needs; the depth bound stops PyYAML's
+# recursion before Python's does.
 MAX_CONFIG_BYTES = 1 << 20
-MAX_CONFIG_VALUES = 100_000
 MAX_CONFIG_DEPTH = 64
 _TOO_DEEP = f"nested more than {MAX_CONFIG_DEPTH} levels deep"
 
@@ -77,40 +79,18 @@ class _Refused(ValueError):
     pass
 
 
-_MERGE = "tag:yaml.org,2002:merge"  # `<<: *base`, which may repeat a key of base
-
-
-def _expanded_size(node, depth, sizes):
-    """The number of values `node` expands to, aliases repeated in full.
-
-    `sizes` holds the nodes already counted, so a node that aliases repeat
-    is walked once; an alias of a node inside itself never ends, and is
-    refused as too deep.
-    """
-    if depth > MAX_CONFIG_DEPTH:
-        raise _Refused(_TOO_DEEP)
-    if id(node) not in sizes:
-        children = node.value if isinstance(node, yaml.SequenceNode) else []
-        if isinstance(node, yaml.MappingNode):
-            children = [part for pair in node.value for part in pair]
-        size = 1 + sum(_expanded_size(child, depth + 1, sizes) for child in children)
-        if size > MAX_CONFIG_VALUES:
-            raise _Refused(
-                f"expands to more than {MAX_CONFIG_VALUES} values (aliases "
-                "repeated inside aliases); a config holds a few hundred"
-            )
-        sizes[id(node)] = size
-    return sizes[id(node)]
-
-
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader within the bounds above, `1e-4` read as a float,
-    a key given twice in one mapping refused."""
+    """PyYAML's safe loader refusing aliases, deep nesting and a key given
+    twice in one mapping; `1e-4` read as a float."""
 
     _depth = 0
 
     def compose_node(self, parent, index):
-        # Refused on the way down, before PyYAML's recursion goes deeper.
+        if self.check_event(yaml.AliasEvent):
+            raise _Refused(
+                f"uses the alias *{self.peek_event().anchor}; a config gives each "
+                "value in full"
+            )
         self._depth += 1
         try:
             if self._depth > MAX_CONFIG_DEPTH:
@@ -122,27 +102,22 @@ class _Loader(yaml.SafeLoader):
     def compose_mapping_node(self, anchor):
         # PyYAML keeps the later of two equal keys silently: a config that
         # sets `learning_rate` twice would train with the one below.
-        node = super().compose_mapping_node(anchor)
-        lines = {}
+        node, lines = super().compose_mapping_node(anchor), {}
         for key, _ in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
-                value = self.construct_object(key)
-                line = key.start_mark.line + 1
-                if value in lines:
-                    at = f"lines {lines[value]} and {line}"
-                    if lines[value] == line:
-                        at = f"line {line}"
-                    raise _Refused(
-                        f"has the key {value!r} twice in one mapping ({at}); give "
-                        "each key once"
-                    )
-                lines[value] = line
-        return node
-
-    def compose_document(self):
-        node = super().compose_document()
-        if node is not None:
-            _expanded_size(node, 0, {})
+            if not isinstance(key, yaml.ScalarNode):
+                continue
+            value, line = self.construct_object(key), key.start_mark.line + 1
+            if value in lines:
+                at = (
+                    f"line {line}"
+                    if lines[value] == line
+                    else f"lines {lines[value]} and {line}"
+                )
+                raise _Refused(
+                    f"has the key {value!r} twice in one mapping ({at}); give each "
+                    "key once"
+                )
+            lines[value] = line
         return node
 
 
@@ -163,42 +138,24 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text, source):
-    """Parses YAML text with `1e-4` read as a float.
-
-    Args:
-        text: str, YAML.
-        source: str, where the text comes from, for the error message.
-
-    Returns:
-        The parsed value.
-
-    Raises:
-        ConfigError: the text is not valid YAML, nests or expands beyond the
-            bounds above, gives a key twice in one mapping, or holds a value
-            Python cannot read (an int of more than
-            `sys.get_int_max_str_digits()` digits, a date out of range).
-    """
+    """Parses YAML text with `1e-4` read as a float."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
-        raise ConfigError(f"{source}: not valid YAML: {_one_line(error)}") from None
+        raise ConfigError(f"{source}: not valid YAML: {one_line(error)}") from None
     except _Refused as error:
         raise ConfigError(f"{source}: refused: the YAML {error}") from None
     except RecursionError:  # PyYAML composes nested values recursively
         raise ConfigError(f"{source}: refused: the YAML {_TOO_DEEP}") from None
     except ValueError as error:
-        detail = _one_line(error)
+        detail = one_line(error)
         if "integer string conversion" in detail:
             detail = f"an int of more than {sys.get_int_max_str_digits()} digits"
         raise ConfigError(f"{source}: not a config value: {detail}") from None
 
 
 def read_config_file(path):
-    """The text of a `--config` file, read up to `MAX_CONFIG_BYTES`.
-
-    Raises:
-        ConfigError: the file cannot be read, is larger, or is not UTF-8.
-    """
+    """The text of a `--config` file, read up to `MAX_CONFIG_BYTES`."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
@@ -238,14 +195,6 @@ def default_config_path(command):
     in a source checkout (no such package data), the repository's
     `configs/<command>.yaml`: the build installs `configs/` as that package
     data.
-
-    Returns:
-        A `pathlib.Path` or `importlib.resources` traversable (both have
-        `read_text` and `read_bytes`).
-
-    Examples:
-        >>> default_config_path("train").name
-        'train.yaml'
     """
     name = f"{command}.yaml"
     with contextlib.suppress(ModuleNotFoundError):
@@ -261,55 +210,20 @@ def default_config(command):
     return parse_yaml(text, f"default {command}.yaml")
 
 
-# --------------------------------------------------------------- leaf types
-def _ruled(kind, rule, whole_only=False):
-    """`kind`, every refusal of which is one error of type "rule": `rule`.
-
-    With `whole_only` (lists and blocks) the errors of the items or keys
-    inside stand; only the value itself (not a list, not a mapping, too
-    short) gets `rule`.
-    """
-
-    def validate(value, handler):
-        try:
-            return handler(value)
-        except pydantic.ValidationError as error:
-            if whole_only and any(
-                e["loc"] or e["type"] == "unknown" for e in error.errors()
-            ):
-                raise
-            raise PydanticCustomError("rule", "{rule}", {"rule": rule}) from None
-
-    return Annotated[kind, pydantic.WrapValidator(validate)]
+# ------------------------------------------------------------------- schema
+# Each key is a pydantic type with its own constraints (`conint`, `confloat`,
+# `conlist`, `Literal`); `_rule` reads the rule a refused value breaks back
+# from them, or from the field's `description` where no type says it.
+MAX_SEED = 2**32 - 1  # NumPy's seeds (and scikit-learn's `random_state`)
+MAX_CLASSES = 1_000_000  # the units of a Dense layer
+_NON_NEGATIVE = pydantic.confloat(strict=True, allow_inf_nan=False, ge=0.0)
+_POSITIVE = pydantic.confloat(strict=True, allow_inf_nan=False, gt=0.0)
+_BATCH = pydantic.conint(strict=True, ge=1) | Literal["full"]
+_OPTIMIZER_RULE = "a mapping with `class_name` and `config`"
 
 
-def _or(kind, rule, words=(), null=False):
-    """`kind` or one of the literal `words` or null, with its rule."""
-    for word in words:
-        kind = kind | Literal[word]
-    rule += "".join(f" or {word!r}" for word in words) + (" or null" if null else "")
-    return _ruled(kind | None if null else kind, rule)
-
-
-def _int(low, high=None, words=(), null=False):
-    span = f"in [{low}, {high}]" if high is not None else f">= {low}"
-    kind = Annotated[int, pydantic.Strict(), pydantic.Field(ge=low, le=high)]
-    return _or(kind, f"must be an int {span}", words, null)
-
-
-def _number(span, **bounds):
-    kind = Annotated[
-        float, pydantic.Strict(), pydantic.AllowInfNan(False), pydantic.Field(**bounds)
-    ]
-    return _ruled(kind, f"must be a finite number {span}")
-
-
-def _choice(*choices):
-    return _ruled(Literal[choices], f"must be one of {list(choices)}")
-
-
-def _bool(*words):
-    return _or(pydantic.StrictBool, "must be true or false", words)
+def _int(low, high=None):
+    return pydantic.conint(strict=True, ge=low, le=high)
 
 
 def _path_text(value):
@@ -327,49 +241,26 @@ def _folder_name(value):
     return value
 
 
-_NON_NEGATIVE = _number(">= 0.0", ge=0.0)
-_POSITIVE = _number("> 0.0", gt=0.0)
-_BATCH = _int(1, words=("full",))
-
-
 class _Block(pydantic.BaseModel):
     # Every key is required (the defaults hold them all) and no other key
     # is accepted; fields are in the order the messages list them.
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data):
-        # One error that lists the block's keys: a misspelt key explains the
-        # errors of the key it meant, so it is reported first.
-        for name in data if isinstance(data, dict) else ():
-            if name not in cls.model_fields:
-                valid = ", ".join(cls.model_fields)
-                raise PydanticCustomError(
-                    "unknown", "{name}", {"name": str(name), "valid": valid}
-                )
-        return data
 
-
-def _block(model, rule="must be a mapping"):
-    return _ruled(model, rule, whole_only=True)
-
-
-# ------------------------------------------------------------------- schema
 class OptimizerBlock(_Block):
     """`{class_name, config}`: `keras.optimizers.serialize(optimizer)` output.
 
-    `config` is the optimizer's `get_config()`; omitted arguments take the
-    constructor's defaults. `module` and `registered_name` (present in
-    `keras.saving.serialize_keras_object` output) are accepted and used to
-    find the class. `config` is checked when the optimizer is built
-    (`optimizer_spec`, `build_optimizer`).
+    `config` is the optimizer's `get_config()` (checked when the optimizer
+    is built: `optimizer_spec`); `module` and `registered_name` (of
+    `keras.saving.serialize_keras_object`) are accepted and find the class.
     """
 
-    class_name: _ruled(
-        pydantic.StrictStr, "must name a Keras optimizer (e.g. LARS, SGD, Adam)"
+    class_name: pydantic.StrictStr = Field(
+        description="must name a Keras optimizer (e.g. LARS, SGD, Adam)"
     )
-    config: _ruled(dict[str, Any], "must be a mapping of constructor arguments")
+    config: dict[str, Any] = Field(
+        description="must be a mapping of constructor arguments"
+    )
     module: Any = None
     registered_name: Any = None
 
@@ -381,28 +272,21 @@ class OptimizerBlock(_Block):
         return data
 
 
-_OPTIMIZER = _block(OptimizerBlock, "must be a mapping with `class_name` and `config`")
-_OPTIMIZER_OR_NULL = _block(
-    OptimizerBlock | None, "must be null or a mapping with `class_name` and `config`"
-)
-
-# Seeds go to NumPy (`np.random.seed`, scikit-learn's `random_state`), which
-# takes 32 bits; the classes to a Dense layer of that many units.
-MAX_SEED = 2**32 - 1
-MAX_CLASSES = 1_000_000
+def _optimizer():
+    return Field(description=f"must be {_OPTIMIZER_RULE}")
 
 
 class Data(_Block):
     # null = scikit-learn's digits; a path = an .npz with x_train, y_train,
     # x_test, y_test.
-    path: _or(pydantic.StrictStr, "must be a string", null=True)
-    test_fraction: _number("in (0.0, 1.0)", gt=0.0, lt=1.0)
+    path: pydantic.StrictStr | None
+    test_fraction: pydantic.confloat(strict=True, allow_inf_nan=False, gt=0.0, lt=1.0)
     split_seed: _int(0, MAX_SEED)
-    num_classes: _int(2, MAX_CLASSES, null=True)
+    num_classes: _int(2, MAX_CLASSES) | None
 
 
 class Model(_Block):
-    name: _choice("cnn", "mlp")
+    name: Literal["cnn", "mlp"]
     width: _int(1)
 
 
@@ -410,18 +294,17 @@ class _Common(_Block):
     """Keys that `train` and `sweep` configs share, in this order."""
 
     seed: _int(0, MAX_SEED)
-    output_dir: _ruled(
-        Annotated[pydantic.StrictStr, pydantic.AfterValidator(_path_text)],
-        "must be a path without NUL or unpaired surrogate characters",
+    output_dir: Annotated[pydantic.StrictStr, pydantic.AfterValidator(_path_text)] = (
+        Field(description="must be a path without NUL or unpaired surrogate characters")
     )
-    run_name: _or(
-        Annotated[pydantic.StrictStr, pydantic.AfterValidator(_folder_name)],
-        "must be one folder name (not empty, '.' or '..', without '/', NUL or "
-        "unpaired surrogate characters)",
-        null=True,
+    run_name: (
+        Annotated[pydantic.StrictStr, pydantic.AfterValidator(_folder_name)] | None
+    ) = Field(
+        description="must be one folder name (not empty, '.' or '..', without '/', "
+        "NUL or unpaired surrogate characters) or null"
     )
-    data: _block(Data)
-    model: _block(Model)
+    data: Data
+    model: Model
 
 
 class _Schedule(_Block):
@@ -433,40 +316,42 @@ class _Schedule(_Block):
 class TrainTraining(_Block):
     epochs: _int(1)
     batch_size: _BATCH
-    precision: _choice("float32", "mixed_float16", "mixed_bfloat16")
-    jit_compile: _bool("auto")
+    precision: Literal["float32", "mixed_float16", "mixed_bfloat16"]
+    jit_compile: pydantic.StrictBool | Literal["auto"]
     verbose: _int(0, 2)
 
 
 class TrainSchedule(_Block):
-    name: _choice("warmup_polynomial_decay", "none")
+    name: Literal["warmup_polynomial_decay", "none"]
     warmup_epochs: _NON_NEGATIVE
     end_learning_rate: _NON_NEGATIVE
     power: _POSITIVE
-    base_batch_size: _int(1, null=True)
+    base_batch_size: _int(1) | None
 
 
 class LossScale(_Block):
-    enabled: _bool()
-    dynamic: _bool()
+    enabled: pydantic.StrictBool
+    dynamic: pydantic.StrictBool
     initial_scale: _POSITIVE
     dynamic_growth_steps: _int(1)
 
 
 class Monitor(_Block):
-    log_every_n_batches: _int(1, null=True)
-    tensorboard: _bool()
+    log_every_n_batches: _int(1) | None
+    tensorboard: pydantic.StrictBool
 
 
 class DiLoCoBlock(_Block):
     sync_every: _int(1)
-    compression: _choice("none", "bfloat16", "int8", "int4")
-    outer_optimizer: _OPTIMIZER
+    compression: Literal["none", "bfloat16", "int8", "int4"]
+    outer_optimizer: OptimizerBlock = _optimizer()
 
 
 class AGNBlock(_Block):
     communication_period: _int(1)
-    outer_optimizer: _OPTIMIZER_OR_NULL
+    outer_optimizer: OptimizerBlock | None = Field(
+        description=f"must be null or {_OPTIMIZER_RULE}"
+    )
 
 
 class Distribute(_Block):
@@ -474,56 +359,51 @@ class Distribute(_Block):
     # devices); multi_worker = MultiWorkerMirroredStrategy from TF_CONFIG;
     # diloco = the same cluster, synchronous DiLoCo (the `diloco` block);
     # parameter_server = AGN on ParameterServerStrategy (the `agn` block).
-    strategy: _choice("none", "mirrored", "multi_worker", "diloco", "parameter_server")
-    logical_cpus: _int(2, null=True)
+    strategy: Literal["none", "mirrored", "multi_worker", "diloco", "parameter_server"]
+    logical_cpus: _int(2) | None
     # Optional (the two keys that are): a `distribute` block written before
     # they existed, or set whole with --set, stays valid; train.py takes the
     # default block's values then.
-    diloco: _block(DiLoCoBlock) = None
-    agn: _block(AGNBlock) = None
+    diloco: DiLoCoBlock | None = None
+    agn: AGNBlock | None = None
 
 
 class TrainConfig(_Common):
     """A `tf-lars train` config."""
 
-    training: _block(TrainTraining)
-    schedule: _block(TrainSchedule)
-    optimizer: _OPTIMIZER
-    loss_scale: _block(LossScale)
-    monitor: _block(Monitor)
-    distribute: _block(Distribute)
+    training: TrainTraining
+    schedule: TrainSchedule
+    optimizer: OptimizerBlock = _optimizer()
+    loss_scale: LossScale
+    monitor: Monitor
+    distribute: Distribute
 
 
 class SweepTraining(_Block):
     epochs: _int(1)
-    jit_compile: _bool("auto")
-
-
-def _list(item):
-    kind = Annotated[list[item], pydantic.Strict(), pydantic.Field(min_length=1)]
-    return _ruled(kind, "must be a list of at least 1 item(s)", whole_only=True)
+    jit_compile: pydantic.StrictBool | Literal["auto"]
 
 
 class Sweep(_Block):
-    batch_sizes: _list(_BATCH)
+    batch_sizes: pydantic.conlist(_BATCH, min_length=1)
     base_batch_size: _int(1)
-    grid_factors: _list(_POSITIVE)
-    workers: _int(1, words=("auto",))
+    grid_factors: pydantic.conlist(_POSITIVE, min_length=1)
+    workers: _int(1) | Literal["auto"]
 
 
 class SweepOptimizer(_Block):
-    label: _ruled(pydantic.StrictStr, "must be a string")
+    label: pydantic.StrictStr
     base_learning_rate: _POSITIVE
-    optimizer: _OPTIMIZER
+    optimizer: OptimizerBlock = _optimizer()
 
 
 class SweepConfig(_Common):
     """A `tf-lars sweep` config."""
 
-    training: _block(SweepTraining)
-    schedule: _block(_Schedule)
-    sweep: _block(Sweep)
-    optimizers: _list(_block(SweepOptimizer))
+    training: SweepTraining
+    schedule: _Schedule
+    sweep: Sweep
+    optimizers: pydantic.conlist(SweepOptimizer, min_length=1)
 
 
 class LowcommTraining(_Block):
@@ -534,63 +414,109 @@ class LowcommTraining(_Block):
 class LowcommConfig(_Common):
     """A `tf-lars lowcomm` config."""
 
-    problem: _choice("synthetic", "data")
-    training: _block(LowcommTraining)
+    problem: Literal["synthetic", "data"]
+    training: LowcommTraining
     # One worker exchanges nothing: there is no communication to compare.
-    workers: _list(_int(2, 64))
-    sync_every: _list(_int(1))
-    inner_optimizer: _OPTIMIZER
-    outer_optimizer: _OPTIMIZER
-    async_outer_optimizer: _OPTIMIZER
+    workers: pydantic.conlist(_int(2, 64), min_length=1)
+    sync_every: pydantic.conlist(_int(1), min_length=1)
+    inner_optimizer: OptimizerBlock = _optimizer()
+    outer_optimizer: OptimizerBlock = _optimizer()
+    async_outer_optimizer: OptimizerBlock = _optimizer()
 
 
 SCHEMAS = {"train": TrainConfig, "sweep": SweepConfig, "lowcomm": LowcommConfig}
 
 
-def _message(error):
+def _rule(kind, metadata=()):
+    """The rule of a type and its constraints, in words: "an int >= 1"."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Annotated:
+        return _rule(args[0], [*metadata, *args[1:]])
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if origin in (typing.Union, types.UnionType):
+        words = [a for a in args if typing.get_origin(a) is Literal]
+        kinds = [a for a in args if a not in words and a is not type(None)]
+        rule = " or ".join(_rule(a) for a in kinds)
+        rule += "".join(f" or {w!r}" for a in words for w in typing.get_args(a))
+        return rule + " or null" * (type(None) in args)
+    bound = {}
+    for item in metadata:
+        for name in ("ge", "gt", "le", "lt", "min_length"):
+            if getattr(item, name, None) is not None:
+                bound[name] = getattr(item, name)
+    if origin is list:
+        return f"a list of at least {bound['min_length']} item(s)"
+    if isinstance(kind, type) and issubclass(kind, pydantic.BaseModel):
+        return "a mapping"
+    name = {int: "an int", float: "a finite number", bool: "true or false"}
+    if kind not in name:
+        return "a string"
+    low = f"[{bound['ge']}" if "ge" in bound else f"({bound.get('gt')}"
+    high = f"{bound['le']}]" if "le" in bound else f"{bound.get('lt')})"
+    if "le" in bound or "lt" in bound:
+        return f"{name[kind]} in {low}, {high}"
+    if bound:
+        return f"{name[kind]} {'>=' if 'ge' in bound else '>'} {low[1:]}"
+    return name[kind]
+
+
+def _bare(kind):
+    """`kind` without its constraints, and an optional block without None."""
+    while typing.get_origin(kind) in (Annotated, typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is not Annotated and len(inner) > 1:
+            break
+        kind = inner[0]
+    return kind
+
+
+def _field(model, loc):
+    """`(field, type, length)` of the key a pydantic error's `loc` names:
+    the key is `loc[:length]` (the rest names union members)."""
+    kind, field, length = model, None, 0
+    for part in loc:
+        bare = _bare(kind)
+        if isinstance(part, int) and typing.get_origin(bare) is list:
+            kind, field = typing.get_args(bare)[0], None
+        elif part in getattr(bare, "model_fields", {}):
+            field = bare.model_fields[part]
+            kind = field.rebuild_annotation()
+        else:
+            break
+        length += 1
+    return field, kind, length
+
+
+def _message(model, error):
     """A pydantic error as `(message, dotted key)`."""
     key = ".".join(str(part) for part in error["loc"])
-    shown = f"Received: {key}={error['input']!r}"
-    if error["type"] == "rule":
-        return f"`{key}` {error['ctx']['rule']}. {shown}", key
-    if error["type"] == "unknown":
-        where = f"`{key}`" if key else "the config"
-        key = f"{key}.{error['ctx']['name']}" if key else error["ctx"]["name"]
-        valid = error["ctx"]["valid"]
+    if error["type"] == "extra_forbidden":
+        parent = key.rpartition(".")[0]
+        where = f"`{parent}`" if parent else "the config"
+        block = _bare(_field(model, error["loc"][:-1])[1])
+        valid = ", ".join(block.model_fields)
         return f"Unknown config key `{key}`. Valid keys in {where}: {valid}", key
     if error["type"] == "missing":
         if key.endswith(".class_name"):
             return f"`{key}` is missing (e.g. LARS, SGD, Adam)", key
         return f"Config key `{key}` is missing", key
-    return f"`{key}`: {error['msg']}. {shown}", key
+    field, kind, length = _field(model, error["loc"])
+    key = ".".join(str(part) for part in error["loc"][:length])
+    rule = getattr(field, "description", None) or f"must be {_rule(kind)}"
+    return f"`{key}` {rule}. Received: {key}={error['input']!r}", key
 
 
 def validate_config(command, config):
-    """Validates a config dict of `command`; returns it as a plain dict.
-
-    Args:
-        command: str, "train" or "sweep".
-        config: dict, the merged config.
-
-    Returns:
-        A new dict, keys in the schema's order, numbers of float keys as
-        floats, every optimizer block with a `config` mapping.
-
-    Raises:
-        ConfigError: the first problem: an unknown key, else the first
-            refused value in the order of the keys.
-
-    Examples:
-        >>> config = validate_config("train", default_config("train"))
-        >>> config["training"]["epochs"]
-        100
-    """
+    """Validates a config dict of `command`; returns it as a plain dict."""
+    model = SCHEMAS[command]
     try:
         # Unset: only an optimizer block's `module` and `registered_name`.
-        return SCHEMAS[command].model_validate(config).model_dump(exclude_unset=True)
+        return model.model_validate(config).model_dump(exclude_unset=True)
     except pydantic.ValidationError as error:
-        first = min(error.errors(), key=lambda e: e["type"] != "unknown")
-        raise ConfigError(*_message(first)) from None
+        # A misspelt key explains the errors of the key it meant: first.
+        first = min(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        raise ConfigError(*_message(model, first)) from None
 
 
 # ---------------------------------------------------------- merge and --set
@@ -605,23 +531,7 @@ def _merge(base, update):
 
 
 def apply_overrides(config, overrides):
-    """Applies `key=value` strings (values parsed as YAML) to a config dict.
-
-    Args:
-        config: dict, left unchanged.
-        overrides: iterable of str, `dotted.key=value`; list items by index.
-
-    Returns:
-        A new dict.
-
-    Raises:
-        ConfigError: a string without `=`, or a key that does not lead to a
-            block or a list index.
-
-    Examples:
-        >>> apply_overrides({"training": {"epochs": 1}}, ["training.epochs=1e1"])
-        {'training': {'epochs': 10.0}}
-    """
+    """Applies `key=value` strings (values parsed as YAML) to a config dict."""
     config = copy.deepcopy(config)
     for override in overrides:
         key, sep, text = override.partition("=")
@@ -658,24 +568,7 @@ def apply_overrides(config, overrides):
 
 
 def load_config(command, path=None, overrides=()):
-    """Default config of `command`, merged with `path`, then `overrides`.
-
-    Args:
-        command: str, "train" or "sweep".
-        path: str or path-like, a YAML file merged over the default, or None.
-        overrides: iterable of `key=value` strings (`--set`).
-
-    Returns:
-        The validated config, a plain dict (see `validate_config`).
-
-    Raises:
-        ConfigError: on a missing or unreadable file, an unknown key, a value
-            of the wrong type or out of range.
-
-    Examples:
-        >>> load_config("sweep", overrides=["sweep.workers=1"])["sweep"]["workers"]
-        1
-    """
+    """Default config of `command`, merged with `path`, then `overrides`."""
     config = default_config(command)
     if path is not None:
         config = _merge(config, _user_config(os.fspath(path)))
@@ -688,7 +581,7 @@ def located_message(error, path=None, overrides=()):
     A value set by `--set` (applied last) keeps the message as it is; one
     set in the `--config` file (and not by `--set`) is named by the file.
     """
-    message = _one_line(error)
+    message = one_line(error)
     parts = tuple(str(part) for part in (getattr(error, "key", None) or ()))
     if path is None or not parts:
         return message
@@ -845,19 +738,7 @@ def _argument_rule(name, default, value):
 
 
 def optimizer_spec(block, key="optimizer"):
-    """Checks an optimizer block's class and argument names and types.
-
-    Args:
-        block: dict, a validated optimizer block.
-        key: str, the block's dotted key, for error messages.
-
-    Returns:
-        An `OptimizerSpec`.
-
-    Raises:
-        ConfigError: no such optimizer, an unknown argument, or a value of
-            the wrong type; naming the key.
-    """
+    """Checks an optimizer block's class and argument names and types."""
     cls = _optimizer_class(block, key)
     parameters = constructor_parameters(cls)
     for name, value in block["config"].items():
@@ -877,17 +758,7 @@ def optimizer_spec(block, key="optimizer"):
 
 
 def build_optimizer(spec, learning_rate=None):
-    """The optimizer of an `OptimizerSpec`, built once by its class's `from_config`.
-
-    Args:
-        spec: an `OptimizerSpec`.
-        learning_rate: float or schedule; `None` keeps the spec's own (a
-            serialized schedule is deserialized by `from_config`).
-
-    Raises:
-        ConfigError: the constructor refuses a value (its message, naming
-            the block).
-    """
+    """The optimizer of an `OptimizerSpec`, built once by its class's `from_config`."""
     if learning_rate is None:
         learning_rate = spec.learning_rate
     arguments = copy.deepcopy(spec.arguments)
@@ -897,19 +768,11 @@ def build_optimizer(spec, learning_rate=None):
         return spec.cls.from_config(arguments)
     except (ValueError, TypeError) as error:
         key = f"{spec.key}.config"
-        raise ConfigError(f"`{key}`: {_one_line(error)}", key) from None
+        raise ConfigError(f"`{key}`: {one_line(error)}", key) from None
 
 
 def optimizer_from_block(block, learning_rate=None, key="optimizer"):
-    """`build_optimizer(optimizer_spec(block, key), learning_rate)`.
-
-    Examples:
-        >>> optimizer = optimizer_from_block(
-        ...     {"class_name": "SGD", "config": {"momentum": 0.9}}, learning_rate=0.1
-        ... )
-        >>> type(optimizer).__name__, float(optimizer.momentum)
-        ('SGD', 0.9)
-    """
+    """`build_optimizer(optimizer_spec(block, key), learning_rate)`."""
     return build_optimizer(optimizer_spec(block, key), learning_rate)
 
 

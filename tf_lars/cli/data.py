@@ -14,7 +14,7 @@ import zipfile
 
 import numpy as np
 
-from tf_lars.cli.config import MAX_CLASSES
+from tf_lars.cli.config import MAX_CLASSES, one_line
 
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -28,17 +28,7 @@ class DataError(ValueError):
 
 
 def load_data(data_config):
-    """Loads the data set a validated `data` config block names.
-
-    Returns:
-        A `Dataset`: float32 features (digits: `(N, 8, 8, 1)` scaled to
-        [0, 1]; `.npz`: as stored), int32 labels, the number of classes and
-        a short description of the source.
-
-    Raises:
-        DataError: missing or unreadable file, wrong array names, shapes that
-            disagree, labels that are not integers in [0, num_classes).
-    """
+    """Loads the data set a validated `data` config block names."""
     if data_config["path"] is None:
         return _load_digits(data_config)
     return _load_npz(data_config)
@@ -50,25 +40,21 @@ def _load_digits(data_config):
 
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
-    x_train, x_test, y_train, y_test = train_test_split(
+    split = train_test_split(
         x,
         y,
         test_size=data_config["test_fraction"],
         random_state=data_config["split_seed"],
         stratify=y,
     )
+    source = (
+        "scikit-learn digits (8x8), stratified split "
+        f"test_fraction={data_config['test_fraction']} "
+        f"split_seed={data_config['split_seed']}"
+    )
+    # train_test_split returns x_train, x_test, y_train, y_test.
     return _finish(
-        x_train,
-        y_train,
-        x_test,
-        y_test,
-        data_config["num_classes"],
-        source=(
-            "scikit-learn digits (8x8), stratified split "
-            f"test_fraction={data_config['test_fraction']} "
-            f"split_seed={data_config['split_seed']}"
-        ),
-        where="digits",
+        *split[::2], *split[1::2], data_config["num_classes"], source, "digits"
     )
 
 
@@ -97,18 +83,11 @@ def synthetic_data(seed):
 
     x, y = make_classification(**SYNTHETIC, random_state=seed)
     cut = SYNTHETIC["n_samples"] - SYNTHETIC_TEST
-    return _finish(
-        x[:cut],
-        y[:cut],
-        x[cut:],
-        y[cut:],
-        None,
-        source=(
-            "synthetic: scikit-learn make_classification, 40,000 examples, 64 "
-            f"features, 10 classes, random_state={seed}"
-        ),
-        where="synthetic",
+    source = (
+        "synthetic: scikit-learn make_classification, 40,000 examples, 64 "
+        f"features, 10 classes, random_state={seed}"
     )
+    return _finish(x[:cut], y[:cut], x[cut:], y[cut:], None, source, "synthetic")
 
 
 def _load_npz(data_config):
@@ -137,10 +116,10 @@ def _load_npz(data_config):
     except DataError:
         raise
     except MemoryError as error:
-        raise DataError(f"{where}: cannot read as .npz ({_one_line(error)})") from None
+        raise DataError(f"{where}: cannot read as .npz ({one_line(error)})") from None
     except ValueError as error:
         if "allow_pickle" not in str(error):
-            detail = _one_line(error)
+            detail = one_line(error)
             raise DataError(f"{where}: cannot read as .npz ({detail})") from None
         # NumPy would suggest `allow_pickle=True`, which runs code stored in
         # the file; the arrays must be numeric instead.
@@ -149,16 +128,9 @@ def _load_npz(data_config):
             f"{', '.join(REQUIRED_ARRAYS)} must be numeric arrays"
         ) from None
     except (OSError, zipfile.BadZipFile, EOFError) as error:
-        raise DataError(f"{where}: cannot read as .npz ({_one_line(error)})") from None
-    return _finish(
-        arrays["x_train"],
-        arrays["y_train"],
-        arrays["x_test"],
-        arrays["y_test"],
-        data_config["num_classes"],
-        source=path,
-        where=where,
-    )
+        raise DataError(f"{where}: cannot read as .npz ({one_line(error)})") from None
+    arrays = [arrays[name] for name in REQUIRED_ARRAYS]
+    return _finish(*arrays, data_config["num_classes"], path, where)
 
 
 def _check_stored_size(archive, name, where):
@@ -187,10 +159,6 @@ def _check_stored_size(archive, name, where):
             f"the file stores {info.file_size} bytes for it; the file is damaged "
             "or not what numpy.savez writes"
         )
-
-
-def _one_line(error):
-    return " ".join(str(error).split())
 
 
 def _labels(name, y, where):

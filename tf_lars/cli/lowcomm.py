@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars.agn import normalized, pseudo_gradients
+from tf_lars.agn import local_step, normalized, pseudo_gradients, reset
 from tf_lars.diloco import DiLoCo, simulate_sync
 
 METHODS = ("dp", "agn", "async_diloco", "diloco")
@@ -75,11 +75,8 @@ def optimizers(method, workers, sync_every, settings, copies=None):
     optimizers, default `workers`): data parallel's one optimizer; DiLoCo's
     workers; or the workers' inner optimizers and then the center's (AGN's:
     the inner one; async DiLoCo's: `async_outer` at its learning rate / M).
-
-    Raises:
-        ConfigError: a block that cannot be built, or that DiLoCo refuses.
     """
-    from tf_lars.cli.config import ConfigError
+    from tf_lars.cli.config import ConfigError, one_line
 
     copies = workers if copies is None else copies
     inner = lambda: _optimizer(settings["inner"], "inner_optimizer")  # noqa: E731
@@ -101,7 +98,7 @@ def optimizers(method, workers, sync_every, settings, copies=None):
         except ValueError as error:
             raise ConfigError(
                 f"the run {LABELS[method]}, M={workers}, H={sync_every} is refused, "
-                f"so no run started: {' '.join(str(error).split())}",
+                f"so no run started: {one_line(error)}",
                 key="outer_optimizer",
             ) from None
     if method == "agn":
@@ -157,22 +154,7 @@ class _Simulation:
 
 
 def run_one(method, data, workers, sync_every, settings):
-    """Trains with `method` on `workers` simulated workers; returns its row.
-
-    Args:
-        method: one of `METHODS`.
-        data: the command line's `Dataset`.
-        workers: int, M.
-        sync_every: int, H (ignored by `dp`).
-        settings: dict with `seed`, `steps` (inner steps per worker),
-            `batch_size` (per worker), `model` (the model block), `inner`,
-            `outer` and `async_outer` (optimizer blocks; the last one's
-            learning rate is divided by M).
-
-    Returns:
-        `(row, weights)`: the row of the table, and the trained weights
-        (data parallel's, DiLoCo's `theta`, or AGN's center) as NumPy arrays.
-    """
+    """Trains with `method` on `workers` simulated workers; returns its row."""
     sim = _Simulation(data, workers, settings)
     variables, payload = sim.variables, sim.payload
     built = optimizers(method, workers, sync_every, settings)
@@ -220,9 +202,7 @@ def run_one(method, data, workers, sync_every, settings):
             for optimizer, grads, vs, acc in zip(
                 local, sim.gradients(x, y), variables, accumulators, strict=True
             ):
-                optimizer.apply(grads, vs)
-                for a, g in zip(acc, grads, strict=True):
-                    a.assign_add(g)
+                local_step(optimizer, optimizer, vs, acc, grads)
 
         @tf.function
         def exchange():
@@ -237,10 +217,8 @@ def run_one(method, data, workers, sync_every, settings):
                 else:
                     grads = pseudo_gradients(pulled, vs)
                 center_optimizer.apply(grads, center)
-            for vs, acc in zip(variables, accumulators, strict=True):
-                for v, a, c in zip(vs, acc, center, strict=True):
-                    v.assign(c)
-                    a.assign(tf.zeros_like(a))
+            for optimizer, vs, acc in zip(local, variables, accumulators, strict=True):
+                reset(optimizer, vs, center, acc)
 
     exchanges = 0
     start = time.perf_counter()

@@ -1,40 +1,12 @@
 """The `tf-lars` command line: `train`, `sweep` and `lowcomm`.
 
-```
-tf-lars [--tf-log] train [--config FILE] [--set key=value ...]
-tf-lars [--tf-log] sweep [--config FILE] [--set key=value ...]
-tf-lars [--tf-log] lowcomm [--config FILE] [--set key=value ...]
-```
-
-`train` runs one training from a YAML config (the default trains a small
-CNN with LARS on scikit-learn's digits) and writes a run folder. `sweep`
-trains each optimizer of its config (by default SGD-momentum, LARS,
-Nesterov, AdamW and LAMB) across batch sizes and learning rates and prints a
-table of test accuracy. `lowcomm` compares ways of training across workers
-(an all-reduce every step, AGN, asynchronous and synchronous DiLoCo) by test
-accuracy and bytes communicated. The optimizer step benchmarks are not part of the
-installed command line: `python benchmarks/bench.py` runs them from a source
-checkout.
-
-Configuration, data or output-folder problems (and, for a multi-worker
-`train`, a bad `TF_CONFIG`) print one line to stderr and exit with status 2;
-those that need no TensorFlow are found before it is imported. A run folder
-that exists, or that another run has claimed, is refused unless
-`--overwrite` is given (and a claimed one even then). Ctrl-C prints one line
-and exits with status 130, the run folder keeping what finished; SIGTERM (a
-scheduler's preemption) does the same and exits with status 143. See the
-command-line guide (`docs/guides/cli.md`) for every config key.
-
-`train` runs distributed with the `distribute` config block; two workers on
-one machine:
-
-```
-python -m tf_lars.distribute.launch --mode sync --workers 2 -- \
-    -m tf_lars.cli train --set distribute.strategy=multi_worker
-```
-
-This module imports no TensorFlow, Keras or NumPy, so that `--help` answers
-at once; each command imports its module when it runs.
+`tf-lars [--tf-log] COMMAND [--config FILE] [--set key=value ...] [--overwrite]`;
+`--help` says what each command does and docs/guides/cli.md gives every
+config key. A configuration, data or output-folder problem (or, for a
+multi-worker `train`, a bad `TF_CONFIG`) is one line on stderr and status 2;
+Ctrl-C is one line and status 130, SIGTERM 143, the run folder keeping what
+finished. This module imports no TensorFlow, Keras or NumPy, so that
+`--help` answers at once; each command imports its module when it runs.
 """
 
 import argparse
@@ -189,11 +161,6 @@ def raise_pending(signum=None):
 
     Called from a Keras callback at every batch and epoch end: a point where
     TensorFlow holds no half-built state. A no-op outside `main`.
-
-    Args:
-        signum: a signal another worker of the cluster received (None: none),
-            raised here as if this process had received it, so that every
-            worker stops at the same step (`tf_lars.cli.train`).
     """
     if _SIGNALS is not None:
         if signum and not _SIGNALS.received:

@@ -19,33 +19,22 @@ def _save(figure, path):
 
 def plot_curves(history, path):
     """Loss and accuracy per epoch, train and test, side by side."""
-    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, panels = plt.subplots(1, 2, figsize=(10, 4))
     epochs = np.arange(1, len(history.get("loss", [])) + 1)
-    for key, label, style in (
-        ("loss", "train", "-"),
-        ("val_loss", "test", "--"),
+    for axes, key, scale, title in zip(
+        panels, ("loss", "accuracy"), (1, 100), ("Loss", "Accuracy"), strict=True
     ):
-        if key in history:
-            loss_axes.plot(epochs, history[key], style, label=label)
-    loss_axes.set_yscale("log")
-    loss_axes.set_xlabel("epoch")
-    loss_axes.set_ylabel("cross-entropy loss (log scale)")
-    loss_axes.set_title("Loss")
-    loss_axes.legend()
-    loss_axes.grid(alpha=0.3)
-    for key, label, style in (
-        ("accuracy", "train", "-"),
-        ("val_accuracy", "test", "--"),
-    ):
-        if key in history:
-            accuracy_axes.plot(
-                epochs, 100 * np.asarray(history[key]), style, label=label
-            )
-    accuracy_axes.set_xlabel("epoch")
-    accuracy_axes.set_ylabel("accuracy (%)")
-    accuracy_axes.set_title("Accuracy")
-    accuracy_axes.legend()
-    accuracy_axes.grid(alpha=0.3)
+        for name, label, style in ((key, "train", "-"), (f"val_{key}", "test", "--")):
+            if name in history:
+                values = scale * np.asarray(history[name], dtype=np.float64)
+                axes.plot(epochs, values, style, label=label)
+        axes.set_xlabel("epoch")
+        axes.set_title(title)
+        axes.legend()
+        axes.grid(alpha=0.3)
+    panels[0].set_yscale("log")
+    panels[0].set_ylabel("cross-entropy loss (log scale)")
+    panels[1].set_ylabel("accuracy (%)")
     _save(figure, path)
 
 
@@ -134,15 +123,7 @@ def sweep_zoom_range(series, window=10.0):
 
 
 def plot_sweep(batch_sizes, series, path, title):
-    """Test accuracy against batch size: all runs, and a zoom on the best.
-
-    Args:
-        batch_sizes: list of int.
-        series: list of `(label, accuracies, diverged, linestyle)`;
-            `accuracies` in [0, 1], NaN for a missing point; `diverged` flags.
-        path: output PNG.
-        title: figure title.
-    """
+    """Test accuracy against batch size: all runs, and a zoom on the best."""
     zoom = sweep_zoom_range(series)
     figure, panels = plt.subplots(
         1, 2 if zoom else 1, figsize=(11, 4.5) if zoom else (7, 4.5), squeeze=False

@@ -81,14 +81,7 @@ CLUSTER_STRATEGIES = ("multi_worker", "diloco", "parameter_server")
 
 
 def check_distribute(distribute_config, environ=None):
-    """Refuses `distribute` settings that do not go together.
-
-    Raises:
-        ConfigError: `logical_cpus` without the mirrored strategy, or a
-            `TF_CONFIG` (a cluster task) without a cluster strategy
-            (`CLUSTER_STRATEGIES`), where every task would train alone and
-            write the same run folder.
-    """
+    """Refuses `distribute` settings that do not go together."""
     strategy = distribute_config["strategy"]
     logical_cpus = distribute_config["logical_cpus"]
     if logical_cpus is not None and strategy != "mirrored":
@@ -178,10 +171,6 @@ def choose_run_dir(config, command, overwrite=False):
     A named run (`run_name`) whose folder exists is refused unless
     `overwrite`; an unnamed run whose timestamped name exists (two runs in
     the same second) gets the next free `-2`, `-3`, ... suffix.
-
-    Raises:
-        ConfigError: an `output_dir` that is a file, under a file or not
-            writable; an existing named run folder without `overwrite`.
     """
     _check_output_dir(config)
     folder = run_dir(config, command)
@@ -273,13 +262,6 @@ def claim_run_dir(config, command, overwrite=False):
     two runs given one name, one gets it and the other is refused. The
     folder is then locked (`flock`) until `release_run_dirs`, so that a run
     refuses, `--overwrite` or not, a folder that another run is writing.
-
-    Returns:
-        The run folder, created (or, with `overwrite`, existing) and locked.
-
-    Raises:
-        ConfigError: what `choose_run_dir` refuses; a folder another run
-            holds; a folder that cannot be created.
     """
     _check_output_dir(config)
     run_name = config["run_name"]
@@ -347,11 +329,7 @@ def release_run_dirs():
 
 
 def open_run_dir(folder, command):
-    """Creates the run folder, or empties an `--overwrite`n one of our files.
-
-    Raises:
-        ConfigError: the folder cannot be created or cleared.
-    """
+    """Creates the run folder, or empties an `--overwrite`n one of our files."""
     try:
         os.makedirs(folder, exist_ok=True)
         for name in RUN_FILES[command]:
@@ -375,10 +353,6 @@ def write_file(path, write):
     it); `os.replace` then puts it in place at once. A reader sees the old
     file or the new one; a full disk leaves the old one (or none), never a
     truncated one.
-
-    Raises:
-        ConfigError: an OS error (a full disk: ENOSPC, or EFBIG past a
-            file-size limit), naming the file; no temporary file is left.
     """
     folder, name = os.path.split(path)
     stem, suffix = os.path.splitext(name)
@@ -453,22 +427,7 @@ def check_lowcomm(config, data):
 
 
 def preflight(command, config, overwrite=False):
-    """Every check of a validated config that needs no TensorFlow.
-
-    Args:
-        command: str, "train", "sweep" or "lowcomm".
-        config: a validated config (`tf_lars.cli.config.load_config`).
-        overwrite: bool, the `--overwrite` option.
-
-    Returns:
-        `(data, folder)`: the loaded `Dataset` and the run folder to write
-        (claimed: `claim_run_dir`; None for a multi-worker run, whose chief
-        is known only once TensorFlow reads the cluster).
-
-    Raises:
-        ConfigError: the first problem found in the config.
-        DataError: the first problem found in the data.
-    """
+    """Every check of a validated config that needs no TensorFlow."""
     from tf_lars.cli.data import load_data, synthetic_data
 
     if command == "lowcomm" and config["problem"] == "synthetic":

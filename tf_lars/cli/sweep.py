@@ -54,16 +54,7 @@ def available_cores():
 
 
 def plan(config, num_train):
-    """The grid points a validated sweep config asks for.
-
-    Returns:
-        `(batch_sizes, factors, tasks)`: sorted batch sizes (`full` resolved
-        to `num_train`), sorted learning-rate factors (1 included) and one
-        dict per training run.
-
-    Raises:
-        ConfigError: a batch size larger than the training set.
-    """
+    """The grid points a validated sweep config asks for."""
     # Imported here: the workers import this module before TensorFlow.
     from tf_lars.schedules import linear_scaled_learning_rate as linear
 
@@ -214,9 +205,6 @@ def _finished(config, tasks, order, workers, threads):
     `ProcessPoolExecutor` (not a `multiprocessing.Pool`: when a worker dies,
     the pool waits for its result for ever; the executor fails every future
     with `BrokenProcessPool`), stopped at once on leaving (Ctrl-C included).
-
-    Raises:
-        WorkerLost: a worker process died.
     """
     if workers == 1:
         yield ((index, run_task(config, tasks[index])) for index in order)
@@ -337,26 +325,7 @@ def format_table(batch_sizes, labels, summary, epochs):
 
 
 def run(config, data=None, folder=None, overwrite=False, out=_print):
-    """`tf-lars sweep`: the whole sweep, into its run folder.
-
-    Args:
-        config: a validated sweep config (`tf_lars.cli.config.load_config`).
-        data: the `Dataset` and `folder` the run folder from
-            `tf_lars.cli.preflight.preflight`; both found here when None.
-        overwrite: bool, `--overwrite`: an existing run folder may be reused.
-        out: callable printing one line.
-
-    Returns:
-        The exit status, 0.
-
-    Raises:
-        ConfigError: a bad config, an out-of-range grid point included (and
-            `DataError`: bad data), before any file is written or process
-            started.
-        tf_lars.cli.preflight.Interrupted: Ctrl-C or SIGTERM, once the
-            finished trainings and their table are written.
-        WorkerLost: a worker process died (killed); the same files written.
-    """
+    """`tf-lars sweep`: the whole sweep, into its run folder."""
     if data is None:
         data, folder = preflight.preflight("sweep", config, overwrite)
     batch_sizes, factors, tasks = plan(config, len(data.x_train))

@@ -35,6 +35,7 @@ from tf_lars.cli.config import (
     constructor_parameters,
     default_config,
     dump_config,
+    one_line,
     optimizer_spec,
 )
 from tf_lars.cli.main import deferred, pending_signal, raise_pending, run_finished
@@ -60,13 +61,6 @@ def global_batch_size(batch_size, num_train, replicas, key="training.batch_size"
     `batch_size` is per replica; the global batch is `batch_size * replicas`
     and must fit in the training set. `"full"` makes the whole training set
     the global batch, which must then divide by `replicas`.
-
-    Returns:
-        `(per_replica, global_batch)`, ints.
-
-    Raises:
-        ConfigError: a global batch larger than the training set, or `full`
-            with a training set that does not divide by `replicas`.
     """
     if replicas == 1:
         size = resolve_batch_size(batch_size, num_train, key)
@@ -112,17 +106,7 @@ def describe_batches(per_replica, global_batch, replicas, num_train):
 # ------------------------------------------------------------ distribution
 Distribution = collections.namedtuple(
     "Distribution",
-    [
-        "strategy",
-        "name",
-        "replicas",
-        "workers",
-        "chief",
-        "task",
-        "exchange",
-        "rank",
-        "coordinator",
-    ],
+    "strategy name replicas workers chief task exchange rank coordinator",
     defaults=(None, 0, None),
 )
 Distribution.__doc__ = """The strategy of a run and this process's place in it.
@@ -139,12 +123,7 @@ that trains there: `replicas` and `workers` count the cluster's workers).
 
 
 def split_cpu(count):
-    """Splits the CPU into `count` logical devices; returns their names.
-
-    Raises:
-        ConfigError: TensorFlow has already set up its devices differently
-            (the split is fixed once TensorFlow initializes them).
-    """
+    """Splits the CPU into `count` logical devices; returns their names."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(
@@ -176,16 +155,6 @@ def make_distribution(distribute_config):
     - diloco: the same cluster; the strategy carries the outer exchange.
     - parameter_server: `ParameterServerStrategy` on the chief; a worker or
       parameter-server task serves here until it is stopped (never returns).
-
-    Args:
-        distribute_config: the `distribute` block.
-
-    Returns:
-        A `Distribution`.
-
-    Raises:
-        ConfigError: see `check_distribute` and `split_cpu`.
-        TFConfigError: a missing or bad `TF_CONFIG` (multi_worker).
     """
     check_distribute(distribute_config)
     name = distribute_config["strategy"]
@@ -214,26 +183,13 @@ def make_distribution(distribute_config):
     strategy = distribute.multi_worker_strategy(tf_config)
     chiefs = len(tf_config.cluster.get("chief", []))
     workers = chiefs + tf_config.num_workers
+    chief = distribute.is_chief(tf_config)
+    task = f"{tf_config.task_type} {tf_config.task_index}"
     if name == "diloco":
         rank = 0 if tf_config.task_type == "chief" else chiefs + tf_config.task_index
-        return Distribution(
-            None,
-            name,
-            1,
-            workers,
-            distribute.is_chief(tf_config),
-            f"{tf_config.task_type} {tf_config.task_index}",
-            exchange=strategy,
-            rank=rank,
-        )
-    return Distribution(
-        strategy,
-        name,
-        strategy.num_replicas_in_sync,
-        workers,
-        distribute.is_chief(tf_config),
-        f"{tf_config.task_type} {tf_config.task_index}",
-    )
+        return Distribution(None, name, 1, workers, chief, task, strategy, rank)
+    replicas = strategy.num_replicas_in_sync
+    return Distribution(strategy, name, replicas, workers, chief, task)
 
 
 def _scope(strategy):
@@ -299,9 +255,6 @@ def epoch_orders(num_examples, epochs, seed):
     """The example order of each epoch `fit` takes from `make_dataset`.
 
     The same shuffles as `make_dataset`'s, drawn in advance.
-
-    Returns:
-        An int64 array `[epochs, num_examples]`.
     """
     order = tf.data.Dataset.range(num_examples)
     order = order.shuffle(num_examples, seed=seed, reshuffle_each_iteration=True)
@@ -319,9 +272,6 @@ def make_distributed_dataset(x, y, global_batch, seed, epochs):
     up front (`epoch_orders`): the batches are those of a one-process run
     whatever iterators Keras makes, and `fit` reads them with
     `steps_per_epoch`. Each replica takes its slice of every global batch.
-
-    Returns:
-        `(dataset, steps_per_epoch)`.
     """
     steps = len(x) // global_batch
     orders = epoch_orders(len(x), epochs, seed)[:, : steps * global_batch]
@@ -345,9 +295,6 @@ def evaluation_batch_size(num_examples, replicas, name="data"):
     (`MirroredStrategy`), so that batch must split evenly. The last batch may
     split unevenly but must give every replica an example: TensorFlow's CPU
     convolutions fail on an empty slice.
-
-    Raises:
-        ConfigError: fewer examples than replicas (`name` names the set).
     """
     if num_examples < replicas:
         raise ConfigError(
@@ -383,14 +330,12 @@ def build_schedule(schedule_config, peak_learning_rate, steps_per_epoch, epochs)
             power=schedule_config["power"],
         )
     except ValueError as error:
-        raise ConfigError(f"schedule: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"schedule: {one_line(error)}") from None
     return schedule
 
 
 def wrap_loss_scale(optimizer, loss_scale_config):
     """Wraps `optimizer` in `tf_lars.LossScaleOptimizer` as configured."""
-    import tf_lars
-
     try:
         return tf_lars.LossScaleOptimizer(
             optimizer,
@@ -399,7 +344,7 @@ def wrap_loss_scale(optimizer, loss_scale_config):
             dynamic_growth_steps=loss_scale_config["dynamic_growth_steps"],
         )
     except ValueError as error:
-        raise ConfigError(f"loss_scale: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"loss_scale: {one_line(error)}") from None
 
 
 class _StopOnNonFinite(keras.callbacks.Callback):
@@ -512,28 +457,7 @@ def build_trial(
     loss_scale_config=None,
     strategy=None,
 ):
-    """Seeds Keras, then builds the model and the optimizer of one run.
-
-    Args:
-        data: a `Dataset`.
-        model_config: the `model` block.
-        optimizer: an `OptimizerSpec` (`tf_lars.cli.config.optimizer_spec`),
-            built here once, in the strategy's scope.
-        learning_rate: float or schedule, as the optimizer gets it.
-        batch_size: int, the global batch.
-        seed: int, seeds the weights (and, in `fit_once`, shuffling).
-        precision: a Keras dtype policy name.
-        loss_scale_config: the `loss_scale` block or `None`.
-        strategy: a `tf.distribute.Strategy` whose scope holds the model and
-            the optimizer, or `None`.
-
-    Returns:
-        A dict: model, optimizer (wrapped when loss-scaled), learning_rate,
-        batch_size, steps_per_epoch, precision, loss_scaled (bool), seed.
-
-    Raises:
-        ConfigError: a value the optimizer or the loss scale refuses.
-    """
+    """Seeds Keras, then builds the model and the optimizer of one run."""
     keras.utils.set_random_seed(seed)
     scaled = loss_scale_config is not None and loss_scale_config["enabled"]
     with _dtype_policy(precision), _scope(strategy):
@@ -603,25 +527,7 @@ def fit_once(
     validation=False,
     strategy=None,
 ):
-    """Trains a `build_trial` model once.
-
-    Args:
-        data: a `Dataset`.
-        trial: the dict `build_trial` returned.
-        batch_size: int, the global batch.
-        epochs: int.
-        jit_compile: "auto" or bool, for `model.compile`.
-        callbacks: extra Keras callbacks (a `_RaiseInterrupts` among them,
-            last, replaces the one-process one).
-        verbose: `model.fit` verbosity.
-        validation: evaluate on the test set after every epoch.
-        strategy: the `tf.distribute.Strategy` of `build_trial`, or `None`.
-
-    Returns:
-        A dict: model, optimizer, history dict, learning_rate,
-        steps_per_epoch, diverged (bool), diverged_epoch, train/test loss and
-        accuracy after training, seconds.
-    """
+    """Trains a `build_trial` model once."""
     model = trial["model"]
     with deferred(), _dtype_policy(trial["precision"]):
         _compile(trial, jit_compile, strategy)
@@ -677,19 +583,6 @@ def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
     of a warm-up + polynomial decay over the run unless `schedule.name` is
     none. A serialized schedule is used as it is (then `schedule.name` must
     be none and `schedule.base_batch_size` null).
-
-    Args:
-        config: a validated train config.
-        learning_rate: the `OptimizerSpec`'s learning rate.
-        batch_size: int, the global batch.
-        steps_per_epoch: int.
-
-    Returns:
-        A float or a `LearningRateSchedule`.
-
-    Raises:
-        ConfigError: a schedule with a schedule, a peak <= 0, a warm-up as
-            long as the run.
     """
     schedule_config = config["schedule"]
     base_batch_size = schedule_config["base_batch_size"]
@@ -705,7 +598,7 @@ def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
         except Exception as error:  # noqa: BLE001 - reported to the user
             raise ConfigError(
                 "`optimizer.config.learning_rate` is not a loadable learning-rate "
-                f"schedule: {' '.join(str(error).split())}"
+                f"schedule: {one_line(error)}"
             ) from None
     if base_batch_size is not None:
         learning_rate = (
@@ -853,21 +746,6 @@ def run(config, data=None, folder=None, overwrite=False):
     prints the progress. The resolved config is written before training and
     `history.json` after every epoch, so a Ctrl-C keeps both (and an
     `INTERRUPTED` note).
-
-    Args:
-        config: a validated train config (`tf_lars.cli.config.load_config`).
-        data: the `Dataset` and `folder` the run folder from
-            `tf_lars.cli.preflight.preflight`; both found here when None.
-        overwrite: bool, `--overwrite`: an existing run folder may be reused.
-
-    Returns:
-        The exit status, 0 (a diverged run included).
-
-    Raises:
-        ConfigError: a bad config, before any file is written.
-        DataError: unusable data, before any file is written.
-        TFConfigError: a bad `TF_CONFIG`, before any file is written.
-        tf_lars.cli.preflight.Interrupted: on Ctrl-C.
     """
     from tf_lars.cli.preflight import preflight
 
@@ -979,11 +857,7 @@ def _open_run_folder(
 
 
 def _own_run(folder, config_text, overwrite):
-    """The history in `folder` if it is this restarted job's run, else None.
-
-    Raises:
-        ConfigError: another run's folder (without `overwrite`).
-    """
+    """The history in `folder` if it is this restarted job's run, else None."""
     try:
         with open(os.path.join(folder, "config.yaml"), encoding="utf-8") as handle:
             same = handle.read() == config_text
@@ -1188,7 +1062,11 @@ def _train_parameter_server(config, data, distribution, trial, folder):
             jit_compile=training["jit_compile"] is not False,
             log=print if verbose == 2 else (lambda line: None),
         )
-    epochs, history, diverged_epoch = training["epochs"], {}, None
+    epochs, diverged_epoch = training["epochs"], None
+    writer = keras.callbacks.History() if folder is None else _HistoryWriter(folder)
+    writer.set_model(model)
+    writer.on_train_begin()
+    history = writer.history
     per_epoch = distribution.workers * trial["steps_per_epoch"]
     per_epoch /= optimizer.communication_period
     started = time.perf_counter()
@@ -1198,15 +1076,9 @@ def _train_parameter_server(config, data, distribution, trial, folder):
                 fitted = trainer.fit(rounds=max(1, round(per_epoch * (epoch + 1))))
                 train = trainer.evaluate(x, y)
                 test = trainer.evaluate(data.x_test, data.y_test)
-            for key, value in (
-                ("loss", train["loss"]),
-                ("accuracy", train["accuracy"]),
-                ("val_loss", test["loss"]),
-                ("val_accuracy", test["accuracy"]),
-            ):
-                history.setdefault(key, []).append(value)
-            if folder is not None:
-                write_text(folder, "history.json", _history_json(history))
+            logs = {"loss": train["loss"], "accuracy": train["accuracy"]}
+            logs |= {"val_loss": test["loss"], "val_accuracy": test["accuracy"]}
+            writer.on_epoch_end(epoch, logs)  # history.json on the chief
             if verbose:
                 print(
                     f"Epoch {epoch + 1}/{epochs}: {fitted['commits']} commits, loss "
@@ -1313,13 +1185,12 @@ def _summary(data, distribution, sizes, result, learning_rates):
     """summary.json's record of a finished run."""
     optimizer, learning_rate = result["optimizer"], result["learning_rate"]
     outer = getattr(optimizer, "outer_optimizer", None)  # DiLoCo's, AGN's
+    outer = None if outer is None else keras.optimizers.serialize(outer)
     if not isinstance(learning_rate, float):
         learning_rate = keras.saving.serialize_keras_object(learning_rate)
+    scores = ("train_accuracy", "test_accuracy", "train_loss", "test_loss")
     return {
-        "train_accuracy": result["train_accuracy"],
-        "test_accuracy": result["test_accuracy"],
-        "train_loss": _json_number(result["train_loss"]),
-        "test_loss": _json_number(result["test_loss"]),
+        **{key: _json_number(result[key]) for key in scores},
         "diverged": result["diverged"],
         "diverged_epoch": result["diverged_epoch"],
         "epochs_run": len(result["history"].get("loss", [])),
@@ -1334,16 +1205,10 @@ def _summary(data, distribution, sizes, result, learning_rates):
         "learning_rate_schedule": learning_rate,
         "optimizer": type(optimizer).__name__,
         "inner_optimizer": type(_unwrapped(optimizer)).__name__,
-        "outer_optimizer": (
-            None if outer is None else keras.optimizers.serialize(outer)
-        ),
+        "outer_optimizer": outer,
         "train_seconds": result["seconds"],
         "data": data.source,
-        **(
-            {"communication": result["communication"]}
-            if "communication" in result
-            else {}
-        ),
+        **{key: result[key] for key in ("communication",) if key in result},
     }
 
 
