@@ -450,8 +450,9 @@ class TrustRatio(
         return _trust.entries(vector, tensors)
 
     def _batches_trust_ratios(self):
-        # Steps 3 to 5 (trust ratio, clip, update) of every variable at once: one `norms` call and one
-        # record per step (the TensorFlow subclass: not under tf.distribute).
+        # Steps 3 to 5 (trust ratio, clip, update) of every variable at once:
+        # one `norms` call and one record per step (the TensorFlow subclass:
+        # not under tf.distribute).
         return True
 
     def _recomputes_for_norms(self, direction):
