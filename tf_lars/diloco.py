@@ -619,11 +619,7 @@ def _when(condition, step, state):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        def taken():
-            step()
-            return tf.constant(True)
-
-        tf.cond(condition, taken, lambda: tf.constant(False))
+        tf.cond(condition, lambda: step() and None, lambda: None)
     elif backend == "jax":
         before = [ops.copy(ops.convert_to_tensor(v)) for v in state]
         step()

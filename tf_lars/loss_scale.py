@@ -4,22 +4,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from tf_lars import _internals
-from tf_lars._validation import (
-    check_inner_learning_rate,
-    check_int,
-    check_optimizer,
-    check_positive,
-)
-from tf_lars._wrapper import (
-    BASE_ARGUMENT_DEFAULTS,
-    InnerOptimizerWrapper,
-    all_finite,
-    gradient_as_tensor,
-    is_indexed_slices,
-    on_tensorflow,
-    require_built,
-)
+from tf_lars import _internals, _validation, _wrapper
+from tf_lars._wrapper import is_indexed_slices, on_tensorflow
 
 # TensorFlow is imported inside the methods of the TensorFlow path only, so
 # that the wrapper loads without it on the JAX and PyTorch backends.
@@ -67,22 +53,22 @@ def _as_applied(gradient, variable):
 def _check_arguments(inner_optimizer, initial_scale, dynamic, kwargs):
     """Refuses bad arguments before `super().__init__`, which writes to the
     inner optimizer (an AttributeError on a non-optimizer)."""
-    check_optimizer("inner_optimizer", inner_optimizer)
+    _validation.check_optimizer("inner_optimizer", inner_optimizer)
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
             "`inner_optimizer` must not itself be a loss-scale optimizer: the "
             "loss would be scaled twice. Received: "
             f"inner_optimizer={inner_optimizer!r}"
         )
-    check_inner_learning_rate(inner_optimizer)
-    check_positive("initial_scale", initial_scale)
+    _validation.check_inner_learning_rate(inner_optimizer)
+    _validation.check_positive("initial_scale", initial_scale)
     if not isinstance(dynamic, bool | np.bool_):
         raise ValueError(f"`dynamic` must be a bool. Received: dynamic={dynamic!r}")
     # Keras 3.15's `LossScaleOptimizer` refuses base arguments itself; 3.8 to
     # 3.11 silently ignored them: refused on every release, in Keras's words
     # (code matching Keras's message keeps working). Old configs carry them
     # at their defaults, which are dropped.
-    for name, default in BASE_ARGUMENT_DEFAULTS.items():
+    for name, default in _wrapper.BASE_ARGUMENT_DEFAULTS.items():
         if kwargs.get(name, default) != default:
             raise ValueError(
                 f"LossScaleOptimizer does not support `{name}`. Instead, set "
@@ -95,7 +81,7 @@ def _check_arguments(inner_optimizer, initial_scale, dynamic, kwargs):
 def _check_float_gradients(grads, variables):
     """Refuses a gradient that is not floating point (it cannot be unscaled)."""
     for gradient, variable in zip(grads, variables, strict=True):
-        values = getattr(gradient, "values", gradient)
+        values = gradient.values if is_indexed_slices(gradient) else gradient
         dtype = (
             None if values is None else keras.backend.standardize_dtype(values.dtype)
         )
@@ -108,7 +94,9 @@ def _check_float_gradients(grads, variables):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(
+    _wrapper.InnerOptimizerWrapper, keras.optimizers.LossScaleOptimizer
+):
     """Scales the loss, unscales and checks the gradients, skips non-finite steps.
 
     For mixed-precision training (`keras.mixed_precision.set_global_policy(
@@ -201,7 +189,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         super().__init__(
             inner_optimizer,
             initial_scale=float(initial_scale),
-            dynamic_growth_steps=check_int(
+            dynamic_growth_steps=_validation.check_int(
                 "dynamic_growth_steps", dynamic_growth_steps, 1
             ),
             name=name,
@@ -243,7 +231,7 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
 
     def check_finite(self, grads):
         """A scalar bool tensor: every gradient (dense or sparse) is finite."""
-        return all_finite(grads)
+        return _wrapper.all_finite(grads)
 
     @property
     def iterations(self):
@@ -258,11 +246,11 @@ class LossScaleOptimizer(InnerOptimizerWrapper, keras.optimizers.LossScaleOptimi
         replica context (eagerly, in a `tf.function`, or inside
         `strategy.run`).
         """
-        grads = [gradient_as_tensor(g) for g in grads]
+        grads = [_wrapper.gradient_as_tensor(g) for g in grads]
         if len(grads) == 0:
             return
         if trainable_variables is None:
-            require_built(self)
+            _wrapper.require_built(self)
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
