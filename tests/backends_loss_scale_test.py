@@ -11,6 +11,7 @@ import pytest
 from keras import ops
 
 import tf_lars
+from tests import harness
 
 BACKEND = keras.backend.backend()
 
@@ -29,21 +30,32 @@ def inner_state(optimizer):
     return {v.path: numpy_of(v) for v in optimizer.inner_optimizer.variables}
 
 
+#: How `apply` runs, per backend (tests/harness.py `step_function`).
+MODES = {
+    "tensorflow": ["eager", "function", "jit"],
+    "jax": ["eager", "stateless", "jit"],
+    "torch": ["eager"],
+}[BACKEND]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_eager_apply_reference_values(dynamic):
+def test_apply_reference_values(dynamic, mode):
     # Keras 3 reference: gradients [1, 1, 1, 1] * initial_scale on
     # [1, 2, 3, 4] with SGD(0.5) give [0.5, 1.5, 2.5, 3.5]; four non-finite
     # steps from 400 leave 25 (fixed: 400), and touch nothing else.
     optimizer = sgd_wrapper(dynamic, initial_scale=400.0)
     variable = keras.Variable([1.0, 2.0, 3.0, 4.0])
-    optimizer.build([variable])
-    optimizer.apply([np.full(4, 400.0, "float32")], [variable])
+    step = harness.step_function(optimizer, [variable], mode)
+    step([ops.convert_to_tensor(np.full(4, 400.0, "float32"))])
     np.testing.assert_array_equal(numpy_of(variable), [0.5, 1.5, 2.5, 3.5])
+    assert int(numpy_of(optimizer.skipped_steps)) == 0
+    assert float(numpy_of(optimizer.loss_scale)) == 400.0
     before = inner_state(optimizer)
     for bad in (np.inf, -np.inf, np.nan, np.inf):
         # An eager `apply` with a non-finite gradient: Keras's own wrapper
         # fails here on JAX (UnexpectedTracerError in `Cond.call`).
-        optimizer.apply([np.array([1.0, bad, 1.0, 1.0], "float32")], [variable])
+        step([ops.convert_to_tensor(np.array([1.0, bad, 1.0, 1.0], "float32"))])
     np.testing.assert_array_equal(numpy_of(variable), [0.5, 1.5, 2.5, 3.5])
     after = inner_state(optimizer)
     assert before.keys() == after.keys()
@@ -55,8 +67,9 @@ def test_eager_apply_reference_values(dynamic):
     assert float(numpy_of(optimizer.scale_loss(1.0))) == (25.0 if dynamic else 400.0)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_growth_reference_values(dynamic):
+def test_growth_reference_values(dynamic, mode):
     # Keras 3 reference: initial 2 with growth 2 reaches 32 after 8 finite
     # steps; every step applies the unscaled gradient (ones).
     optimizer = tf_lars.LossScaleOptimizer(
@@ -66,32 +79,39 @@ def test_growth_reference_values(dynamic):
         dynamic_growth_steps=2,
     )
     variable = keras.Variable([1.0, 2.0, 3.0, 4.0])
-    optimizer.build([variable])
+    step = harness.step_function(optimizer, [variable], mode)
     scales = []
     for _ in range(8):
-        optimizer.apply([optimizer.scale_loss(ops.ones((4,)))], [variable])
+        step([optimizer.scale_loss(ops.ones((4,)))])
         scales.append(float(numpy_of(optimizer.loss_scale)))
     if dynamic:
         assert scales == [2.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
     else:
         assert scales == [2.0] * 8
     np.testing.assert_array_equal(numpy_of(variable), [-3.0, -2.0, -1.0, 0.0])
+    assert int(numpy_of(optimizer.iterations)) == 8
+    assert int(numpy_of(optimizer.skipped_steps)) == 0
 
 
 def test_scale_stays_within_the_float32_normal_range():
     top = float(np.finfo(np.float32).max)
     tiny = float(np.finfo(np.float32).tiny)
     optimizer = tf_lars.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=top, dynamic_growth_steps=1
+        keras.optimizers.SGD(0.1), initial_scale=2.0**127, dynamic_growth_steps=1
     )
     variable = keras.Variable([1.0])
-    optimizer.build([variable])
+    optimizer.apply([np.full(1, 2.0**127, "float32")], [variable])
+    assert float(numpy_of(optimizer.loss_scale)) == 2.0**127  # 2**128 is inf
+    np.testing.assert_allclose(numpy_of(variable), [0.9], rtol=1e-6)
+    optimizer = tf_lars.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=top, dynamic_growth_steps=1
+    )
     optimizer.apply([np.ones(1, "float32")], [variable])
     assert float(numpy_of(optimizer.loss_scale)) == np.float32(top)
     low = tf_lars.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=tiny)
-    low.build([variable])
-    low.apply([np.array([np.inf], "float32")], [variable])
+    low.apply([np.array([np.nan], "float32")], [variable])
     assert float(numpy_of(low.loss_scale)) == np.float32(tiny)
+    assert int(numpy_of(low.skipped_steps)) == 1
 
 
 def _stateless_step(optimizer):

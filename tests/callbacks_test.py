@@ -1,16 +1,14 @@
-"""Tests for tf_lars.callbacks.TrustRatioMonitor."""
+"""Tests for `tf_lars.callbacks`: `TrustRatioMonitor` and `LossScaleMonitor`."""
 
-import glob
-import os
+import csv
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.util import event_pb2
 
 import tf_lars
-from tf_lars.callbacks import TrustRatioMonitor
+from tf_lars.callbacks import LossScaleMonitor, TrustRatioMonitor
 
 TRUST_COEFFICIENT = 0.02
 WEIGHT_DECAY = 0.01
@@ -77,7 +75,7 @@ def _reference_trust_ratios(model, weights, x, y, excluded):
     return np.array(ratios)
 
 
-def test_records_the_trust_ratio_of_each_epochs_last_step():
+def test_records_the_trust_ratio_of_each_epochs_last_step(tmp_path):
     # Full batch: one step per epoch, so the ratio recorded at an epoch's end
     # is the one computed from the weights at that epoch's start.
     x, y = _data()
@@ -86,6 +84,7 @@ def test_records_the_trust_ratio_of_each_epochs_last_step():
     model.compile(optimizer=optimizer, loss="mse")
     monitor = TrustRatioMonitor()
     snapshot = _SnapshotWeights()
+    csv_path = tmp_path / "log.csv"
     history = model.fit(
         x,
         y,
@@ -93,7 +92,7 @@ def test_records_the_trust_ratio_of_each_epochs_last_step():
         epochs=3,
         verbose=0,
         shuffle=False,
-        callbacks=[snapshot, monitor],
+        callbacks=[snapshot, monitor, keras.callbacks.CSVLogger(str(csv_path))],
     )
     paths = ["net/hidden/kernel", "net/hidden/bias", "net/out/kernel", "net/out/bias"]
     assert monitor.paths == paths
@@ -118,9 +117,18 @@ def test_records_the_trust_ratio_of_each_epochs_last_step():
     assert 0 < monitor.trust_ratios[1, 1] < 1
     # The excluded variable stays at exactly 1.
     np.testing.assert_array_equal(monitor.trust_ratios[:, 3], [1.0, 1.0, 1.0])
-    # The per-layer values go to the history, not the progress-bar logs.
+    # The values are written into the epoch logs: History and a CSVLogger
+    # after the monitor carry them.
     assert "loss_scale" not in history.history
     assert len(history.history["loss"]) == 3
+    with open(csv_path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for index, path in enumerate(paths):
+        np.testing.assert_allclose(
+            [float(row["trust_ratio/" + path]) for row in rows],
+            monitor.trust_ratios[:, index],
+            rtol=1e-6,
+        )
 
 
 def test_every_n_batches_and_epoch_end_without_duplicates():
@@ -181,23 +189,22 @@ def test_loss_scale_wrapper_logs_scale_and_reads_inner_trust_ratios():
 
 
 def _read_scalars(log_dir):
-    values = {}
-    for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+    """{tag: [(step, value), ...]} from every event file under `log_dir`."""
+    scalars = {}
+    for path in tf.io.gfile.glob(f"{log_dir}/events.out.tfevents.*"):
         for record in tf.data.TFRecordDataset(path):
-            event = event_pb2.Event.FromString(record.numpy())
+            event = tf.compat.v1.Event.FromString(record.numpy())
             for value in event.summary.value:
-                assert value.metadata.plugin_data.plugin_name == "scalars"
-                values.setdefault(value.tag, []).append(
-                    (event.step, float(tf.make_ndarray(value.tensor)))
-                )
-    return values
+                number = float(tf.make_ndarray(value.tensor))
+                scalars.setdefault(value.tag, []).append((event.step, number))
+    return {tag: sorted(points) for tag, points in scalars.items()}
 
 
 def test_tensorboard_scalars_at_optimizer_steps(tmp_path):
     x, y = _data()
     model = _model()
     model.compile(optimizer=_lars(), loss="mse")
-    log_dir = os.path.join(tmp_path, "tb")
+    log_dir = str(tmp_path / "tb")
     monitor = TrustRatioMonitor(log_dir=log_dir, prefix="lars/")
     history = model.fit(
         x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[monitor]
@@ -234,30 +241,147 @@ def test_refuses_an_optimizer_without_trust_ratios():
     assert "SGD" in str(error.value)
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
+BAD_ARGUMENTS = (
     [
-        ({"log_every_n_batches": 0}, "Received: log_every_n_batches=0"),
-        ({"log_every_n_batches": 1.5}, "Received: log_every_n_batches=1.5"),
-        ({"log_every_n_batches": True}, "Received: log_every_n_batches=True"),
-        ({"prefix": None}, "`prefix` must be a str. Received: prefix=None"),
-        ({"log_dir": "a", "writer": object()}, "Give at most one of `log_dir`"),
-    ],
+        (
+            monitor,
+            {"prefix": prefix},
+            f"`prefix` must be a str. Received: prefix={prefix}",
+        )
+        for monitor, prefix in ((TrustRatioMonitor, None), (LossScaleMonitor, 3))
+    ]
+    + [
+        (
+            monitor,
+            {"log_dir": "a", "writer": object()},
+            "at most one of `log_dir` and `writer`",
+        )
+        for monitor in (TrustRatioMonitor, LossScaleMonitor)
+    ]
+    + [
+        (
+            TrustRatioMonitor,
+            {"log_every_n_batches": n},
+            f"Received: log_every_n_batches={n!r}",
+        )
+        for n in (0, 1.5, True)
+    ]
 )
-def test_bad_arguments(kwargs, message):
+
+
+@pytest.mark.parametrize("monitor, kwargs, message", BAD_ARGUMENTS)
+def test_bad_arguments(monitor, kwargs, message):
     with pytest.raises(ValueError) as error:
-        TrustRatioMonitor(**kwargs)
+        monitor(**kwargs)
     assert message in str(error.value)
 
 
-def test_config_round_trip_and_registration():
-    monitor = TrustRatioMonitor(log_every_n_batches=5, log_dir="logs", prefix="t/")
-    config = monitor.get_config()
-    assert config == {"log_every_n_batches": 5, "log_dir": "logs", "prefix": "t/"}
-    restored = TrustRatioMonitor(**config)
-    assert restored.get_config() == config
-    assert (
-        keras.saving.get_registered_name(TrustRatioMonitor)
-        == "tf_lars>TrustRatioMonitor"
+@pytest.mark.parametrize(
+    "monitor, config",
+    [
+        (
+            TrustRatioMonitor,
+            {"log_every_n_batches": 5, "log_dir": "logs", "prefix": "t/"},
+        ),
+        (LossScaleMonitor, {"log_dir": "/tmp/logs", "prefix": "a/"}),
+    ],
+)
+def test_config_round_trip_and_registration(monitor, config):
+    assert monitor(**config).get_config() == config
+    name = monitor.__name__
+    assert keras.saving.get_registered_name(monitor) == f"tf_lars>{name}"
+    assert getattr(tf_lars.callbacks, name) is monitor
+
+
+# --------------------------------------------------------- LossScaleMonitor
+EPOCHS = 3
+
+
+def _scaled_data():
+    """12 samples in 3 batches of 4; batch 2 holds an inf, so one skip per epoch."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+    x[9, 1] = np.inf
+    return x, y
+
+
+def _fit(optimizer, callbacks):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = _scaled_data()
+    history = model.fit(
+        x, y, batch_size=4, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks
     )
-    assert tf_lars.callbacks.TrustRatioMonitor is TrustRatioMonitor
+    return model, history
+
+
+def _optimizer(dynamic=True):
+    return tf_lars.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01),
+        initial_scale=1024.0,
+        dynamic=dynamic,
+        dynamic_growth_steps=10**6,
+    )
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_history_holds_scale_and_skipped_steps(dynamic):
+    optimizer = _optimizer(dynamic)
+    model, history = _fit(optimizer, [LossScaleMonitor()])
+    assert history.history["skipped_steps"] == [1, 2, 3]
+    if dynamic:
+        assert history.history["loss_scale"] == [512.0, 256.0, 128.0]
+    else:
+        assert history.history["loss_scale"] == [1024.0] * 3
+    assert all(isinstance(v, int) for v in history.history["skipped_steps"])
+    assert all(isinstance(v, float) for v in history.history["loss_scale"])
+    # The skipped steps really were skipped: 2 applied per epoch, weights finite.
+    assert int(optimizer.iterations) == 2 * EPOCHS
+    for variable in model.trainable_variables:
+        assert np.all(np.isfinite(variable.numpy()))
+
+
+@pytest.mark.parametrize("how", ["log_dir", "writer"])
+def test_tensorboard_scalars(tmp_path, how):
+    log_dir = str(tmp_path / "logs")
+    if how == "log_dir":
+        monitor = LossScaleMonitor(log_dir=log_dir)
+    else:
+        writer = tf.summary.create_file_writer(log_dir)
+        monitor = LossScaleMonitor(writer=writer, prefix="opt/")
+    _fit(_optimizer(), [monitor])
+    if how == "writer":
+        # A writer the user passed stays open and theirs.
+        assert monitor.writer is writer
+        writer.close()
+    prefix = "" if how == "log_dir" else "opt/"
+    scalars = _read_scalars(log_dir)
+    assert scalars[prefix + "loss_scale"] == [(0, 512.0), (1, 256.0), (2, 128.0)]
+    assert scalars[prefix + "skipped_steps"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_prefix_and_later_callbacks_see_the_values():
+    seen = []
+    later = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(dict(logs))
+    )
+    _, history = _fit(_optimizer(), [LossScaleMonitor(prefix="ls_"), later])
+    assert history.history["ls_loss_scale"] == [512.0, 256.0, 128.0]
+    assert history.history["ls_skipped_steps"] == [1, 2, 3]
+    assert [logs["ls_skipped_steps"] for logs in seen] == [1, 2, 3]
+    assert "loss_scale" not in history.history
+
+
+def test_plain_keras_loss_scale_optimizer_logs_the_scale_only():
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=1024.0
+    )
+    _, history = _fit(optimizer, [LossScaleMonitor()])
+    assert history.history["loss_scale"] == [512.0, 256.0, 128.0]
+    assert "skipped_steps" not in history.history
+
+
+def test_requires_a_loss_scale_optimizer():
+    with pytest.raises(ValueError, match="LossScaleMonitor.*loss-scale optimizer"):
+        _fit(keras.optimizers.SGD(0.01), [LossScaleMonitor()])

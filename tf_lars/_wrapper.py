@@ -55,16 +55,12 @@ def all_finite(gradients):
     is a tensor, so the decision stays on device (under `tf.function` / XLA
     and `jax.jit` too).
     """
-    checks = []
-    for gradient in gradients:
-        if gradient is None:
-            continue
-        if is_indexed_slices(gradient):
-            gradient = gradient.values
-        checks.append(ops.all(ops.isfinite(gradient)))
-    if not checks:
-        return ops.convert_to_tensor(True)
-    return ops.all(ops.stack(checks))
+    checks = [
+        ops.all(ops.isfinite(g.values if is_indexed_slices(g) else g))
+        for g in gradients
+        if g is not None
+    ]
+    return ops.all(ops.stack(checks)) if checks else ops.convert_to_tensor(True)
 
 
 def gradient_as_tensor(gradient):
@@ -81,8 +77,6 @@ def gradient_as_tensor(gradient):
         return ops.convert_to_tensor(gradient)
     import tensorflow as tf
 
-    if isinstance(gradient, tf.Tensor):
-        return gradient
     if isinstance(gradient, tf.IndexedSlices):
         dense_shape = gradient.dense_shape
         return tf.IndexedSlices(

@@ -1,46 +1,39 @@
-"""Keras callbacks that expose tf_lars optimizer state during `model.fit`."""
+"""Keras callbacks that expose tf_lars optimizer state during `model.fit`.
+
+Both write their values into the epoch `logs`, so that Keras's `History`,
+`CSVLogger` and `TensorBoard` (placed after them) carry them too.
+"""
 
 import keras
 import numpy as np
 
 
-def _write_scalar(tag, value, step):
-    """`tf.summary.scalar` without the `tensorboard` package.
-
-    The same record TensorBoard's scalar summary writes: a float32 tensor
-    tagged for the "scalars" plugin. `tf.summary.scalar` itself raises
-    `TBNotInstalledError` when `tensorboard` is not installed. TensorFlow is
-    imported here, where a summary is written, so that the callbacks load
-    without it on the other backends.
-    """
+def _write_scalars(writer, values, step):
+    """`tf.summary.scalar` for each `{tag: value}`, without the `tensorboard`
+    package (whose absence makes `tf.summary.scalar` raise): the same record,
+    a float32 tensor tagged for the "scalars" plugin. TensorFlow is imported
+    here, so that the callbacks load without it on the other backends."""
     import tensorflow as tf
 
-    metadata = tf.compat.v1.SummaryMetadata(
-        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
-    )
-    tf.summary.write(tag, tf.constant(value, tf.float32), step=step, metadata=metadata)
-
-
-def _find_loss_scale_optimizer(optimizer):
-    """`optimizer` if it is a loss-scale optimizer, else `None`."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer
-    return None
+    plugin = tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
+    metadata = tf.compat.v1.SummaryMetadata(plugin_data=plugin)
+    with writer.as_default():
+        for tag, value in values.items():
+            tf.summary.write(tag, tf.constant(value, tf.float32), step, metadata)
+    writer.flush()
 
 
 def _loss_scale_of(optimizer):
     """The current scale of a loss-scale optimizer, as a Python float."""
-    if hasattr(optimizer, "loss_scale"):
-        scale = optimizer.loss_scale
-    elif optimizer.built:
-        scale = optimizer.dynamic_scale.value
-    else:
-        scale = optimizer.initial_scale
+    scale = getattr(optimizer, "loss_scale", None)  # Keras's has none
+    if scale is None:
+        built = optimizer.built
+        scale = optimizer.dynamic_scale.value if built else optimizer.initial_scale
     return float(keras.ops.convert_to_numpy(scale))
 
 
 class _ScalarLogger(keras.callbacks.Callback):
-    """Validated `log_dir` / `writer` / `prefix`, and TensorBoard scalar output."""
+    """Validated `log_dir` / `writer` / `prefix`; TensorBoard scalar output."""
 
     def __init__(self, log_dir, writer, prefix):
         super().__init__()
@@ -51,12 +44,11 @@ class _ScalarLogger(keras.callbacks.Callback):
             )
         if not isinstance(prefix, str):
             raise ValueError(f"`prefix` must be a str. Received: prefix={prefix!r}")
-        self.log_dir = log_dir
-        self.writer = writer
-        self.prefix = prefix
+        self.log_dir, self.writer, self.prefix = log_dir, writer, prefix
         self._owns_writer = False
 
-    def _open_writer(self):
+    def on_train_begin(self, logs=None):
+        self._optimizers()  # refuses a model it cannot read before training
         if self.writer is None and self.log_dir is not None:
             import tensorflow as tf
 
@@ -64,37 +56,26 @@ class _ScalarLogger(keras.callbacks.Callback):
             self._owns_writer = True
 
     def _write_scalars(self, values, step):
-        """Writes `{tag: value}` at `step` when there is a writer."""
-        if self.writer is None:
-            return
-        with self.writer.as_default():
-            for tag, value in values.items():
-                _write_scalar(tag, value, step)
-        self.writer.flush()
+        if self.writer is not None:
+            _write_scalars(self.writer, values, step)
 
     def on_train_end(self, logs=None):
         if self._owns_writer:
             self.writer.close()
-            self.writer = None
-            self._owns_writer = False
+            self.writer, self._owns_writer = None, False
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
 class LossScaleMonitor(_ScalarLogger):
     """Logs the loss scale and the count of skipped steps at each epoch end.
 
-    Adds two entries to the epoch logs, so they land in `history.history`
-    (and in any callback placed after this one, such as `CSVLogger`):
-
-    ```
-    logs["loss_scale"]    = the current loss scale (float)
-    logs["skipped_steps"] = steps skipped so far for a non-finite gradient (int)
-    ```
-
+    Adds `logs[prefix + "loss_scale"]` (the current loss scale, a float) and
+    `logs[prefix + "skipped_steps"]` (steps skipped so far for a non-finite
+    gradient, an int) to the epoch logs, so they land in `history.history`
+    and in any callback placed after this one (`CSVLogger`, `TensorBoard`).
     A rising `skipped_steps` or a falling `loss_scale` shows when float16
-    overflowed. With `log_dir` (or a `writer`) both values are also written
-    as TensorBoard scalars, at step = epoch. Works with
-    `tf_lars.LossScaleOptimizer`; with a plain
+    overflowed. With `log_dir` (or a `writer`) both are also written as
+    TensorBoard scalars at step = epoch. With a plain
     `keras.optimizers.LossScaleOptimizer` (which keeps no count) only the
     scale is logged.
 
@@ -121,23 +102,19 @@ class LossScaleMonitor(_ScalarLogger):
     def __init__(self, log_dir=None, writer=None, prefix=""):
         super().__init__(log_dir, writer, prefix)
 
-    def _optimizer(self):
-        optimizer = _find_loss_scale_optimizer(getattr(self.model, "optimizer", None))
-        if optimizer is None:
+    def _optimizers(self):
+        optimizer = getattr(self.model, "optimizer", None)
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "`LossScaleMonitor` needs a model compiled with a loss-scale "
                 "optimizer (`tf_lars.LossScaleOptimizer`). Received: "
-                f"optimizer={getattr(self.model, 'optimizer', None)!r}"
+                f"optimizer={optimizer!r}"
             )
         return optimizer
 
-    def on_train_begin(self, logs=None):
-        self._optimizer()
-        self._open_writer()
-
     def current_values(self):
         """`{key: value}` for the model's optimizer as it is now."""
-        optimizer = self._optimizer()
+        optimizer = self._optimizers()
         values = {self.prefix + "loss_scale": _loss_scale_of(optimizer)}
         if hasattr(optimizer, "skipped_steps"):
             values[self.prefix + "skipped_steps"] = int(optimizer.skipped_steps)
@@ -161,22 +138,19 @@ class TrustRatioMonitor(_ScalarLogger):
     got in the latest step; 1 for variables excluded from layer adaptation
     and for sparse gradients) at every epoch end, and also every
     `log_every_n_batches` training batches when that is set. When the
-    optimizer is a loss-scale wrapper, the wrapped `inner_optimizer` is read
-    and the current loss scale is recorded too.
+    optimizer is a loss-scale wrapper, its `inner_optimizer` is read and the
+    current loss scale is recorded too (the key `LossScaleMonitor` writes).
 
     ```
-    history.history[prefix + variable.path]  one value per epoch (epoch end)
-    history.history["loss_scale"]            one value per epoch (wrapped only)
-    monitor.trust_ratios                     array [records, variables]
+    logs[prefix + variable.path]  the epoch's last ratio (so history.history)
+    logs["loss_scale"]            the loss scale (wrapped only)
+    monitor.trust_ratios          array [records, variables]
     monitor.paths, monitor.steps, monitor.epochs, monitor.loss_scales
     ```
 
-    The per-variable values are appended to the `History` object directly
-    rather than to the epoch `logs`, so that they do not flood the progress
-    bar; `loss_scale` goes into the `logs` (so it also shows in the bar and
-    agrees with `LossScaleMonitor`, which writes the same key). With `log_dir`
-    (or a `writer`) every record is also written as a TensorBoard scalar
-    (`prefix + path`, and `loss_scale`) at step = `optimizer.iterations`.
+    With `log_dir` (or a `writer`) every record is also written as a
+    TensorBoard scalar (`prefix + path`, and `loss_scale`) at step =
+    `optimizer.iterations`.
 
     Args:
         log_every_n_batches: int >= 1 or `None`. Also record every this many
@@ -187,7 +161,7 @@ class TrustRatioMonitor(_ScalarLogger):
         writer: `tf.summary.SummaryWriter` or `None`. A writer to use instead
             of creating one from `log_dir`; give at most one of the two.
             Defaults to `None`.
-        prefix: str. Prepended to each variable path to form the history and
+        prefix: str. Prepended to each variable path to form the log and
             TensorBoard keys. Defaults to `"trust_ratio/"`.
 
     Examples:
@@ -218,12 +192,12 @@ class TrustRatioMonitor(_ScalarLogger):
         self._reset()
 
     def _reset(self):
-        self.paths = []
-        self.steps = []
-        self.epochs = []
-        self.loss_scales = []
-        self._ratios = []
-        self._epoch = 0
+        self.paths, self.steps, self.epochs, self.loss_scales = [], [], [], []
+        self._ratios, self._epoch = [], 0
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+        super().on_train_begin(logs)
 
     @property
     def trust_ratios(self):
@@ -232,31 +206,27 @@ class TrustRatioMonitor(_ScalarLogger):
             len(self._ratios), len(self.paths)
         )
 
-    def _optimizers(self):
+    def _optimizers(self, built=False):
         """`(lars, wrapper)`: the optimizer holding trust ratios, and the
-        loss-scale wrapper around it (or `None`)."""
-        optimizer = getattr(self.model, "optimizer", None)
-        wrapper = None
+        loss-scale wrapper around it (or `None`).
+
+        `fit` may build the optimizer only in its first step, after
+        `on_train_begin`: an unbuilt one is given the benefit of the doubt
+        until the first record (`built=True`).
+        """
+        optimizer, wrapper = getattr(self.model, "optimizer", None), None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             wrapper, optimizer = optimizer, optimizer.inner_optimizer
-        # A LARS has `trust_ratios` once built; `fit` may build it only in its
-        # first step, after `on_train_begin`, so an unbuilt one is given the
-        # benefit of the doubt until the first record.
-        unbuilt = not getattr(optimizer, "built", True)
-        if not hasattr(optimizer, "trust_ratios") and not (
-            unbuilt and isinstance(optimizer, keras.optimizers.Optimizer)
-        ):
+        unbuilt = isinstance(optimizer, keras.optimizers.Optimizer) and not (
+            built or optimizer.built
+        )
+        if not (hasattr(optimizer, "trust_ratios") or unbuilt):
             raise ValueError(
                 "`TrustRatioMonitor` needs a model compiled with `tf_lars.LARS` "
                 "(or a loss-scale optimizer wrapping it), whose `trust_ratios` "
                 f"it reads. Received: optimizer={optimizer!r}"
             )
         return optimizer, wrapper
-
-    def on_train_begin(self, logs=None):
-        self._optimizers()
-        self._reset()
-        self._open_writer()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -266,49 +236,33 @@ class TrustRatioMonitor(_ScalarLogger):
             self._record()
 
     def _record(self):
-        """Appends the current values; returns `(ratios, loss_scale)`."""
-        optimizer, wrapper = self._optimizers()
-        if not hasattr(optimizer, "trust_ratios"):
-            # Still unbuilt after a step: it never made any.
-            raise ValueError(
-                "`TrustRatioMonitor` needs a model compiled with `tf_lars.LARS` "
-                "(or a loss-scale optimizer wrapping it), whose `trust_ratios` "
-                f"it reads. Received: optimizer={optimizer!r}"
-            )
+        """Appends the current values (once per optimizer step) and returns
+        them as `{key: value}`."""
+        optimizer, wrapper = self._optimizers(built=True)
         step = int(keras.ops.convert_to_numpy(optimizer.iterations))
-        if self.steps and self.steps[-1] == step:
-            # Already recorded at this step (a batch record on the epoch's
-            # last batch): do not store it twice.
-            return self._ratios[-1], self.loss_scales[-1]
-        ratios = np.asarray(
-            keras.ops.convert_to_numpy(optimizer.trust_ratios), dtype=np.float32
-        )
-        if not self.paths:
-            self.paths = list(optimizer.trust_ratio_paths)
-        loss_scale = None
-        if wrapper is not None:
-            loss_scale = _loss_scale_of(wrapper)
-        self.steps.append(step)
-        self.epochs.append(self._epoch)
-        self._ratios.append(ratios)
-        self.loss_scales.append(loss_scale)
-        scalars = {
-            self.prefix + p: float(r) for p, r in zip(self.paths, ratios, strict=True)
-        }
-        if loss_scale is not None:
-            scalars["loss_scale"] = loss_scale
-        self._write_scalars(scalars, step)
-        return ratios, loss_scale
+        if not self.steps or self.steps[-1] != step:
+            ratios = keras.ops.convert_to_numpy(optimizer.trust_ratios)
+            self.paths = self.paths or list(optimizer.trust_ratio_paths)
+            self.steps.append(step)
+            self.epochs.append(self._epoch)
+            self._ratios.append(np.asarray(ratios, dtype=np.float32))
+            self.loss_scales.append(
+                None if wrapper is None else _loss_scale_of(wrapper)
+            )
+            self._write_scalars(self._values(), step)
+        return self._values()
+
+    def _values(self):
+        paths = [self.prefix + path for path in self.paths]
+        values = dict(zip(paths, map(float, self._ratios[-1]), strict=True))
+        if self.loss_scales[-1] is not None:
+            values["loss_scale"] = self.loss_scales[-1]
+        return values
 
     def on_epoch_end(self, epoch, logs=None):
-        ratios, loss_scale = self._record()
-        history = getattr(self.model, "history", None)
-        if isinstance(history, keras.callbacks.History):
-            for path, ratio in zip(self.paths, ratios, strict=True):
-                key = self.prefix + path
-                history.history.setdefault(key, []).append(float(ratio))
-        if loss_scale is not None and logs is not None:
-            logs["loss_scale"] = loss_scale
+        values = self._record()
+        if logs is not None:
+            logs.update(values)
 
     def get_config(self):
         return {

@@ -202,34 +202,54 @@ def streaming_schedule(step, num_fragments, sync_every):
 # --- The worker. ---
 
 
+def _check_arguments(inner_optimizer, outer_optimizer, kwargs):
+    """Refuses the optimizers DiLoCo cannot hold, and Keras base arguments
+    (they belong on the inner optimizer; a config written by Keras carries
+    them at their defaults)."""
+    for key, value in kwargs.items():
+        if value != BASE_ARGUMENT_DEFAULTS.get(key, object()):
+            raise ValueError(
+                f"Argument `{key}` is not supported by DiLoCo; set it on "
+                f"`inner_optimizer`. Received: {key}={value!r}"
+            )
+    check_optimizer("inner_optimizer", inner_optimizer)
+    check_outer_optimizer(outer_optimizer, inner_optimizer)
+    for argument, value in (("inner", inner_optimizer), ("outer", outer_optimizer)):
+        if takes_outer_steps(value):
+            raise ValueError(
+                f"`{argument}_optimizer` must not be a DiLoCo or an AGN: each "
+                "takes outer steps of its own. Received: "
+                f"{argument}_optimizer={value!r}"
+            )
+    check_inner_learning_rate(inner_optimizer)
+
+
 @keras.saving.register_keras_serializable(package="tf_lars")
 class DiLoCo(keras.optimizers.Optimizer):
     """One worker of synchronous DiLoCo, on any Keras backend.
 
     Each worker takes `sync_every` (H) inner steps with its own inner
-    optimizer, then the workers average their pseudo-gradients
-    `Delta_m = theta - theta_m` (`pseudo_gradient`), and every worker applies
-    the same outer step: the outer optimizer updates its copy of the global
-    parameters `theta` with the mean `Delta`, and `theta` is copied into the
-    worker's variables (`outer_step`). The inner optimizer keeps its state
-    across rounds.
+    optimizer (which keeps its state across rounds), then the workers
+    average their pseudo-gradients `Delta_m = theta - theta_m`
+    (`pseudo_gradient`), and every worker applies the same outer step to its
+    copy of the global parameters `theta` and copies `theta` into its
+    variables (`outer_step`).
 
     Who averages (`exchange`): by default (`"local"`) one process is one
     worker, and `apply` itself takes the outer step every `sync_every` inner
-    steps with M = 1 (the outer optimizer alone, as SNOO does). Across
-    processes `tf_lars.distribute.DiLoCoSync` (TensorFlow's
-    `MultiWorkerMirroredStrategy`) or `tf_lars.distribute.synchronize` takes
-    it, and `simulate_sync` for workers simulated in one process: each sets
-    `exchange="external"` (`take_over_exchange`), and refuses where the
-    inner step just taken ended a round, whose outer step this optimizer
-    then took itself; a loop that calls them only where rounds end, or with
-    H = 1, constructs its workers with `exchange="external"`.
+    steps with M = 1 (the outer optimizer alone, as SNOO does). A driver
+    that averages over M workers (`simulate_sync` in one process,
+    `tf_lars.distribute.DiLoCoSync` or `tf_lars.distribute.synchronize`
+    across processes) sets `exchange="external"` (`take_over_exchange`), and
+    refuses where the inner step just taken ended a round, whose outer step
+    this optimizer then took itself; a loop that calls a driver only where
+    rounds end, or with H = 1, constructs its workers with
+    `exchange="external"`.
 
-    It is a Keras optimizer: `model.compile(optimizer=DiLoCo(...))` takes
-    the inner steps and the outer steps in `model.fit`, and the model's
-    saving and checkpoints hold its whole state (`theta`, the outer and
-    inner optimizers' slots, the error buffers, the inner-step count
-    `iterations`). `learning_rate` is the inner optimizer's.
+    `model.compile(optimizer=DiLoCo(...))` takes the inner and outer steps
+    in `model.fit`; the model's saving and checkpoints hold the whole state
+    (`theta`, both optimizers' slots, the error buffers, the inner-step
+    count `iterations`). `learning_rate` is the inner optimizer's.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Each worker's own
@@ -290,30 +310,11 @@ class DiLoCo(keras.optimizers.Optimizer):
         exchange="local",
         **kwargs,
     ):
-        for key, value in kwargs.items():
-            # Keras base arguments belong on the inner optimizer; a config
-            # written by Keras carries them at their defaults.
-            if value != BASE_ARGUMENT_DEFAULTS.get(key, object()):
-                raise ValueError(
-                    f"Argument `{key}` is not supported by DiLoCo; set it on "
-                    f"`inner_optimizer`. Received: {key}={value!r}"
-                )
         if outer_optimizer is None:
             outer_optimizer = keras.optimizers.SGD(
                 learning_rate=0.7, momentum=0.9, nesterov=True, name="outer_sgd"
             )
-        check_optimizer("inner_optimizer", inner_optimizer)
-        check_outer_optimizer(outer_optimizer, inner_optimizer)
-        for argument, value in (
-            ("inner_optimizer", inner_optimizer),
-            ("outer_optimizer", outer_optimizer),
-        ):
-            if takes_outer_steps(value):
-                raise ValueError(
-                    f"`{argument}` must not be a DiLoCo or an AGN: each takes "
-                    f"outer steps of its own. Received: {argument}={value!r}"
-                )
-        check_inner_learning_rate(inner_optimizer)
+        _check_arguments(inner_optimizer, outer_optimizer, kwargs)
         sync_every = check_step_count(
             "sync_every", check_int("sync_every", sync_every, 1)
         )
@@ -362,7 +363,9 @@ class DiLoCo(keras.optimizers.Optimizer):
                 shape=variable.shape,
                 dtype=variable.dtype,
                 # A copy: on PyTorch a Variable would share the tensor.
-                initializer=_copy_of(variable),
+                initializer=lambda shape, dtype=None, v=variable: ops.cast(
+                    ops.copy(v), dtype or v.dtype
+                ),
                 name=f"global_{index}",
             )
             for index, variable in enumerate(variables)
@@ -478,10 +481,7 @@ class DiLoCo(keras.optimizers.Optimizer):
 
     def pseudo_gradient(self, variables, fragment=None):
         """`theta - variables`, over `fragment`'s variables (all if None)."""
-        variables = list(variables)
-        self.build(variables)
-        self._check_length("variables", variables, len(self.global_variables))
-        self._check_shapes("variables", variables, range(len(variables)))
+        variables = self._checked(variables)
         return [
             ops.convert_to_tensor(self.global_variables[i])
             - ops.cast(variables[i], self.global_variables[i].dtype)
@@ -519,12 +519,9 @@ class DiLoCo(keras.optimizers.Optimizer):
         """Applies the outer optimizer to `theta` with `mean_pseudo_gradient`
         (already averaged across workers), then copies `theta` into
         `variables` (over `fragment`'s variables, all if None)."""
-        variables = list(variables)
-        self.build(variables)
-        self._check_length("variables", variables, len(self.global_variables))
+        variables = self._checked(variables)
         indices = self._indices(fragment)
         self._check_length("mean_pseudo_gradient", mean_pseudo_gradient, len(indices))
-        self._check_shapes("variables", variables, range(len(variables)))
         self._check_shapes("mean_pseudo_gradient", mean_pseudo_gradient, indices)
         theta = [self.global_variables[i] for i in indices]
         grads = [
@@ -551,6 +548,15 @@ class DiLoCo(keras.optimizers.Optimizer):
             )
         return self.fragments[fragment]
 
+    def _checked(self, variables):
+        """`variables` as a list, after building on them: one per `theta`,
+        each of its shape."""
+        variables = list(variables)
+        self.build(variables)
+        self._check_length("variables", variables, len(self.global_variables))
+        self._check_shapes("variables", variables, range(len(variables)))
+        return variables
+
     def _check_shapes(self, name, values, indices):
         """Refuses a tensor of another shape than its `theta` (which would
         broadcast, silently or in the backend's own words)."""
@@ -571,21 +577,13 @@ class DiLoCo(keras.optimizers.Optimizer):
             )
 
     def get_config(self):
-        return {
-            "inner_optimizer": _internals.portable_optimizer_config(
-                self.inner_optimizer
-            ),
-            "outer_optimizer": _internals.portable_optimizer_config(
-                self.outer_optimizer
-            ),
-            "sync_every": self.sync_every,
-            "compression": self.compression,
-            "granularity": self.granularity,
-            "error_feedback": self.error_feedback,
-            "num_fragments": self.num_fragments,
-            "name": self.name,
-            "exchange": self.exchange,
+        config = {
+            key: _internals.portable_optimizer_config(getattr(self, key))
+            for key in ("inner_optimizer", "outer_optimizer")
         }
+        keys = ("sync_every", "compression", "granularity", "error_feedback")
+        keys += ("num_fragments", "name", "exchange")
+        return {**config, **{key: getattr(self, key) for key in keys}}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -621,11 +619,7 @@ def _when(condition, step, state):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        def taken():
-            step()
-            return tf.constant(True)
-
-        tf.cond(condition, taken, lambda: tf.constant(False))
+        tf.cond(condition, lambda: step() and None, lambda: None)
     elif backend == "jax":
         before = [ops.copy(ops.convert_to_tensor(v)) for v in state]
         step()
@@ -634,13 +628,6 @@ def _when(condition, step, state):
             variable.assign(ops.where(condition, new, old))
     elif bool(ops.convert_to_numpy(condition)):
         step()
-
-
-def _copy_of(variable):
-    def initializer(shape, dtype=None):
-        return ops.cast(ops.copy(variable), dtype or variable.dtype)
-
-    return initializer
 
 
 def simulate_sync(workers, worker_variables, fragment=None):

@@ -170,25 +170,19 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
     def __call__(self, step):
         with keras.name_scope(self.name):
             step = ops.maximum(ops.cast(step, "float32"), 0.0)
-            peak = ops.cast(self.peak_learning_rate, "float32")
-            end = ops.cast(self.end_learning_rate, "float32")
-            warmup = ops.cast(self.warmup_steps, "float32")
-            decay = ops.cast(self.decay_steps, "float32")
+            constants = (self.peak_learning_rate, self.end_learning_rate)
+            constants += (self.warmup_steps, self.decay_steps, self.power)
+            peak, end, warmup, decay, power = (
+                ops.cast(c, "float32") for c in constants
+            )
             # ops.where evaluates both branches: max(warmup, 1) keeps the unused
             # one finite when warmup_steps=0. At step == warmup both equal peak.
             warmup_lr = peak * step / ops.maximum(warmup, 1.0)
             decay_fraction = 1.0 - ops.clip(step - warmup, 0.0, decay) / decay
-            decay_lr = (peak - end) * ops.power(
-                decay_fraction, ops.cast(self.power, "float32")
-            ) + end
+            decay_lr = (peak - end) * ops.power(decay_fraction, power) + end
             return ops.where(step < warmup, warmup_lr, decay_lr)
 
     def get_config(self):
-        return {
-            "peak_learning_rate": self.peak_learning_rate,
-            "warmup_steps": self.warmup_steps,
-            "decay_steps": self.decay_steps,
-            "end_learning_rate": self.end_learning_rate,
-            "power": self.power,
-            "name": self.name,
-        }
+        keys = ("peak_learning_rate", "warmup_steps", "decay_steps")
+        keys += ("end_learning_rate", "power", "name")
+        return {key: getattr(self, key) for key in keys}
