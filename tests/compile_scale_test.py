@@ -14,7 +14,7 @@ import collections
 import pytest
 
 from tests import benchmark_scripts
-from tf_lars import _rules
+from tf_lars import _trust
 
 compile_bench = benchmark_scripts.load("compile_bench")
 
@@ -75,7 +75,7 @@ def test_no_small_update_reads_its_trust_ratio_at_a_fixed_offset(name):
     # `vector[k]` put the offset k into variable k's update, so no two
     # updates compiled to the same kernel (one LLVM compile each: 9.5 of
     # LARS's 12 s over 1,000 variables); small variables' entries are read
-    # at runtime positions instead (`_tf_fast.entries`), so the fixed
+    # at runtime positions instead (`tf_lars.backend.tensorflow.entries`), so the fixed
     # slices do not grow with the variables.
     small, large = program(name, SMALL), program(name, LARGE)
     assert small["slice"] == large["slice"], (small["slice"], large["slice"])
@@ -101,8 +101,8 @@ def test_no_concatenation_grows_past_a_stack_of_rows(name):
     # SGD step over 2,000 variables. Stacks hold at most STACKED_ROWS
     # tensors and the record takes the ratio vectors, not one scalar per
     # variable, so no concatenation is wider than a stack.
-    widths = concatenation_widths(name, 3 * _rules.STACKED_ROWS)
-    assert widths and max(widths) <= _rules.STACKED_ROWS, max(widths)
+    widths = concatenation_widths(name, 3 * _trust.STACKED_ROWS)
+    assert widths and max(widths) <= _trust.STACKED_ROWS, max(widths)
 
 
 def test_a_captured_step_takes_one_unit_scale_for_all_variables():
@@ -115,7 +115,7 @@ def test_a_captured_step_takes_one_unit_scale_for_all_variables():
     import tf_lars
 
     optimizer = tf_lars.TrustRatio(keras.optimizers.SGD(momentum=0.9))
-    variables = compile_bench.tiny_variables(3 * _rules.STACKED_ROWS)
+    variables = compile_bench.tiny_variables(3 * _trust.STACKED_ROWS)
     optimizer.build(variables)
     step = tf.function(
         lambda g: optimizer.apply(g, variables), jit_compile=True, autograph=False
@@ -123,7 +123,7 @@ def test_a_captured_step_takes_one_unit_scale_for_all_variables():
     graph = step.get_concrete_function([tf.ones_like(v) for v in variables]).graph
     # (XLA folds a stack of constants, so the TensorFlow graph is read.)
     widest = max(len(op.inputs) for op in graph.get_operations() if op.type == "Pack")
-    assert widest <= _rules.STACKED_ROWS, widest
+    assert widest <= _trust.STACKED_ROWS, widest
 
 
 def test_lamb_adds_at_most_one_square_root_per_variable():

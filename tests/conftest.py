@@ -113,7 +113,6 @@ PARTS = {
         "backends_loss_scale",
         "backends_rules",
         "backends",
-        "callbacks_loss_scale",
         "callbacks",
         "compile_scale",
         "contract",
