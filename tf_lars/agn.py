@@ -102,16 +102,15 @@ def local_step(writer, local_optimizer, local_variables, accumulators, grads):
     return finite
 
 
-def reset(agn, local_variables, center_variables, saved):
-    """The pull, written through `agn`: `local <- center`, and `saved` (the
-    accumulators) `<- 0`, or with an outer optimizer (the pulled copy)
-    `<- center`, read once."""
+def reset(writer, local_variables, center_variables, saved, keeps_center=False):
+    """The pull, written through `writer`'s `assign`: `local <- center`, and
+    `saved` (the accumulators) `<- 0`, or with `keeps_center` (an outer
+    optimizer's pulled copy) `<- center`, the center read once."""
     for i, (local, center) in enumerate(zip(local_variables, center_variables)):
         value = tf.convert_to_tensor(center)
-        agn.assign(local, value)
+        writer.assign(local, value)
         if saved:
-            outer = agn.outer_optimizer is not None
-            agn.assign(saved[i], value if outer else tf.zeros_like(value))
+            writer.assign(saved[i], value if keeps_center else tf.zeros_like(value))
 
 
 def pseudo_gradients(pulled_variables, local_variables):
@@ -570,7 +569,13 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         """Resets the local copy to the center and the accumulators to zero."""
         self._require_one_process("pull")
         roles = self._roles
-        reset(self, roles.model, roles.centers, roles.accumulators)
+        reset(
+            self,
+            roles.model,
+            roles.centers,
+            roles.accumulators,
+            keeps_center=self.outer_optimizer is not None,
+        )
 
     def commit(self):
         """Applies the commit to the center, then pulls (one process).

@@ -249,10 +249,10 @@ class TrustRatioMonitor(_ScalarLogger):
             self.loss_scales.append(
                 None if wrapper is None else _loss_scale_of(wrapper)
             )
-            self._write_scalars(self._values(), step)
-        return self._values()
+            self._write_scalars(self._latest_values(), step)
+        return self._latest_values()
 
-    def _values(self):
+    def _latest_values(self):
         paths = [self.prefix + path for path in self.paths]
         values = dict(zip(paths, map(float, self._ratios[-1]), strict=True))
         if self.loss_scales[-1] is not None:

@@ -245,7 +245,11 @@ class ParameterServerAGN:
         """Resets the worker's local copy to the center, accumulators to 0
         (with an outer optimizer: the local and the pulled copy to the center)."""
         agn_rule.reset(
-            self.agn, self.local_variables, self.center_variables, self.accumulators
+            self.agn,
+            self.local_variables,
+            self.center_variables,
+            self.accumulators,
+            keeps_center=self.agn.outer_optimizer is not None,
         )
 
     def local_update(self, grads):
