@@ -196,7 +196,7 @@ def direction_buffers(optimizer):
 def adam_direction(
     optimizer, gradient, variable, slots, epsilon, shift, factor, portable
 ):
-    """`tf_lars._trust.adam_direction`, sparse gradients included.
+    """LAMB's `_adam_direction` (`portable`), sparse gradients included.
 
     A sparse gradient's repeated rows are summed before they are squared,
     and every row of `m` and `v` decays (Adam on the summed dense gradient,
@@ -335,19 +335,23 @@ def _like(public):
     return lambda cls: with_name_of(public, cls)
 
 
-@_like(lars.LARS)
-class LARS(CompiledApply, lars.LARS):
-    """`tf_lars.LARS` on TensorFlow: fused momentum, folded norms, sparse
-    rows (step 5 (sparse gradients)) and the cross-replica step."""
-
-    def _is_dense(self, gradient):
-        return not is_sparse(gradient)
+class _Norms:
+    """The folded norms and the ratio entries at runtime positions (1, 5)."""
 
     def _norms(self, tensors):
         return norms(tensors)
 
     def _entries(self, vector, tensors):
         return entries(vector, tensors)
+
+
+# `tf_lars.LARS` on TensorFlow: fused momentum, folded norms, sparse rows
+# (step 5 (sparse gradients)) and the cross-replica step. (`_like` gives the
+# subclasses the public class's docstring.)
+@_like(lars.LARS)
+class LARS(_Norms, CompiledApply, lars.LARS):
+    def _is_dense(self, gradient):
+        return not is_sparse(gradient)
 
     def _momentum_step(self, variable, slot, gradient, rate):
         momentum_step(
@@ -393,16 +397,10 @@ class LARS(CompiledApply, lars.LARS):
         )
 
 
-class _TrustRatioSteps(CompiledApply):
+class _TrustRatioSteps(_Norms, CompiledApply):
     """TrustRatio's and LAMB's overrides: folded norms, fused writes, ratios
     batched outside `tf.distribute` (a strategy steps each variable in its
     own update context), and sparse gradients."""
-
-    def _norms(self, tensors):
-        return norms(tensors)
-
-    def _entries(self, vector, tensors):
-        return entries(vector, tensors)
 
     def _scaled_step(self, variable, scale, step):
         scaled_step(self, variable, scale, step)
@@ -424,13 +422,12 @@ class _TrustRatioSteps(CompiledApply):
 
 @_like(trust_ratio.TrustRatio)
 class TrustRatio(_TrustRatioSteps, trust_ratio.TrustRatio):
-    """`tf_lars.TrustRatio` on TensorFlow."""
+    pass
 
 
+# `tf_lars.LAMB` on TensorFlow: also Adam's fused kernel and sparse rows.
 @_like(lamb.LAMB)
 class LAMB(_TrustRatioSteps, lamb.LAMB):
-    """`tf_lars.LAMB` on TensorFlow: also Adam's fused kernel and sparse rows."""
-
     def update_step(self, gradient, variable, learning_rate):
         if not is_sparse(gradient):
             return lamb.LAMB.update_step(self, gradient, variable, learning_rate)
