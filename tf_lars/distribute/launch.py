@@ -66,6 +66,10 @@ EXIT_TIMEOUT = 124
 #: worker at the next step end and leaves its INTERRUPTED note) before
 #: SIGKILL. A failed job's other tasks get `stop_all`'s default 5 s.
 SIGNAL_GRACE = 10.0
+#: Seconds a sync job's other workers have, once one failed, to notice the
+#: lost peer and exit by themselves (`tf-lars train` leaves its INTERRUPTED
+#: note) before they are stopped; a loaded machine needs more than 5 s.
+PEER_GRACE = 20.0
 #: Local tasks the launcher starts per CPU at most (`max_local_tasks`).
 TASKS_PER_CPU = 4
 #: The largest `--cluster @file` read: a cluster of thousands of tasks is far
@@ -623,6 +627,7 @@ class _Launch:
             _log(f"{how}; restarting the whole job ({restart})")
         failed.finish_echo()  # its last lines in the log before they are read
         self._report_error(failed, always=True)
+        self._wait_for_exit(PEER_GRACE)
         stop_all(self.tasks)
         if why:
             _log(f"exiting with status {_exit_status(code)}")
@@ -645,6 +650,14 @@ class _Launch:
                 _log(f"{task.label} exited with status 0; waiting for the other "
                      f"workers ({until})")  # fmt: skip
         return None
+
+    def _wait_for_exit(self, seconds):
+        """Waits up to `seconds` for every task to exit (a signal cuts it short)."""
+        end = time.monotonic() + seconds
+        while self.stop_signal is None and time.monotonic() < end:
+            if all(task.poll() is not None for task in self.tasks):
+                return
+            time.sleep(0.05)
 
     def _restart_job(self):
         """Starts every task again (a launcher-made cluster on new ports if one
