@@ -181,7 +181,8 @@ def _backend_session(backend, requirements):
         session.install(*PAIRS["newest"], *requirements)
         session.install(".[test]")
         session.env["KERAS_BACKEND"] = backend
-        session.run("python", "-m", "pytest", "-q", *(session.posargs or BACKEND_TESTS))
+        tests = session.posargs or BACKEND_TESTS
+        session.run("python", "-m", "pytest", "-q", "-m", ALL_TIERS, *tests)
 
     return session
 

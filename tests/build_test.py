@@ -124,6 +124,18 @@ def test_every_test_file_is_in_exactly_one_part():
     assert set(conftest.PARTS) == {"optimizers", "distribute", "cli", "project"}
 
 
+def test_every_second_tier_name_is_a_test_of_its_file():
+    # A renamed test would fall back into the first tier unseen.
+    from tests import conftest
+
+    tables = [conftest.SECOND_TIER, conftest.SECOND_TIER_TESTS]
+    for file, names in [item for table in tables for item in table.items()]:
+        tree = ast.parse((ROOT / "tests" / file).read_text())
+        tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert {name.partition("[")[0] for name in names} <= tests, file
+    assert not set(conftest.SECOND_TIER) & set(conftest.SECOND_TIER_TESTS)
+
+
 def _imported_modules(path):
     """The `tf_lars` modules a file imports (`from tf_lars import x`, `import
     tf_lars.x`, `from tf_lars.x import y`), anywhere in the file."""

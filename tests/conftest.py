@@ -167,12 +167,17 @@ PARTS = {
 _PART_OF = {f"{name}_test.py": part for part, names in PARTS.items() for name in names}
 
 #: The second tier (`python -m pytest -q -m distributed`, which `.ci/run`
-#: runs too): the multi-process fault and equality scenarios, each starting
-#: a cluster of real processes. The README's command (`-m "not distributed"`
-#: in pyproject.toml's addopts) keeps one smoke test per distributed feature,
-#: named here: parameter servers (distribute_ps_test, one cluster for the
-#: file), `model.fit` on MultiWorkerMirroredStrategy through the launcher,
-#: synchronous DiLoCo across processes, and the launcher's job restart.
+#: runs too): every test that starts a process running TensorFlow (the
+#: multi-process fault and equality scenarios, and the runs of scripts,
+#: examples, documentation blocks and the command line in fresh
+#: interpreters), less one smoke test per distributed feature. The README's
+#: command (`-m "not distributed"` in pyproject.toml's addopts) runs the rest:
+#: what runs in pytest's own processes, the processes that end before
+#: TensorFlow is imported (a fraction of a second each), and the smoke tests.
+#: Whole files, less the smoke tests named (parameter servers:
+#: distribute_ps_test, one cluster for the file; `model.fit` on
+#: MultiWorkerMirroredStrategy and synchronous DiLoCo through the launcher;
+#: the launcher's job restart; no process left behind a killed run):
 SECOND_TIER = {
     "cli_distribute_test.py": {
         "test_two_workers_through_the_launcher_equal_one_process",
@@ -189,7 +194,46 @@ SECOND_TIER = {
     "distribute_launch_test.py": set(),
     "distribute_multi_worker_test.py": set(),
     "distribute_preempt_test.py": set(),
+    "examples_test.py": set(),
     "examples_tfjob_test.py": set(),
+}
+#: ... and single tests of the other files (every parameter of each).
+SECOND_TIER_TESTS = {
+    "backends_imports_test.py": {"test_tensorflow_loads_only_where_keras_runs_on_it"},
+    "bench_test.py": {"test_profile_splits_trace_from_compile_and_counts_kernels"},
+    "cli_hostile_test.py": {
+        "test_two_runs_started_together_with_one_name",
+        "test_a_full_disk_is_one_line_and_leaves_no_partial_file",
+    },
+    "cli_safety_test.py": {
+        "test_ctrl_c_in_sweep_keeps_the_finished_trainings_and_their_table",
+        "test_ctrl_c_in_train_keeps_the_config_and_history",
+    },
+    "cli_sweep_hostile_test.py": {
+        "test_a_killed_worker_ends_the_sweep_with_the_finished_trainings_kept",
+    },
+    "cli_test.py": {
+        "test_sweep_end_to_end_in_two_processes",
+        "test_console_script_train_writes_no_tensorflow_log_lines",
+        "test_tf_log_leaves_tensorflow_logging_on",
+    },
+    "docs_examples_test.py": {
+        "test_block_runs_as_pasted",
+        "test_the_training_example_learns",
+        "test_the_monitor_example_learns",
+    },
+    "init_test.py": {
+        "test_core_imports_without_the_command_line_extras",
+        "test_every_process_defers_tensorflow_until_asked",
+        "test_a_saved_file_loads_in_a_process_that_only_imported_tf_lars",
+    },
+    "internals_test.py": {"test_import_tf_lars_loads_no_private_module"},
+    "lars_test.py": {"test_mirrored_strategy_uses_all_reduced_gradient"},
+    "loss_scale_test.py": {"test_mirrored_strategy_replicas_agree"},
+    "no_tensorflow_test.py": {
+        "test_no_tensorflow_script_refuses_an_environment_with_tensorflow",
+    },
+    "optimizer_hostile_test.py": {"test_loading_a_saved_model_needs_import_tf_lars"},
 }
 
 
@@ -205,5 +249,7 @@ def pytest_collection_modifyitems(config, items):
             )
         item.add_marker(getattr(pytest.mark, part))
         smoke = SECOND_TIER.get(item.path.name)
-        if smoke is not None and item.name not in smoke:
+        if (smoke is not None and item.name not in smoke) or (
+            item.originalname in SECOND_TIER_TESTS.get(item.path.name, ())
+        ):
             item.add_marker(pytest.mark.distributed)
