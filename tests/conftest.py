@@ -222,6 +222,7 @@ SECOND_TIER_TESTS = {
         "test_the_training_example_learns",
         "test_the_monitor_example_learns",
     },
+    "distribute_tf_config_test.py": {"test_entry_point_fails_before_any_work"},
     "init_test.py": {
         "test_core_imports_without_the_command_line_extras",
         "test_every_process_defers_tensorflow_until_asked",
