@@ -19,8 +19,6 @@ import pytest
 from tests import benchmark_scripts
 from tests.conftest import XLA_CACHE, XLA_CACHE_ON
 
-XLA_CACHE_PATH = pathlib.Path(XLA_CACHE)
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench.py"
 bench = benchmark_scripts.load("bench")
@@ -390,5 +388,5 @@ def test_the_suite_keeps_compiled_programs_in_its_cache():
     # other pytest-xdist workers write entries of their own meanwhile.
     constant = struct.pack("<f", factor)
     new = set(os.listdir(XLA_CACHE)) - before
-    holding = [name for name in new if constant in (XLA_CACHE_PATH / name).read_bytes()]
+    holding = [n for n in new if constant in pathlib.Path(XLA_CACHE, n).read_bytes()]
     assert len(holding) == 1, sorted(new)

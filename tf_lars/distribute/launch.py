@@ -652,8 +652,9 @@ class _Launch:
         return None
 
     def _wait_for_exit(self, seconds):
-        """Waits up to `seconds` for every task to exit (a signal cuts it short)."""
-        end = time.monotonic() + seconds
+        """Waits up to `seconds` for every task to exit (a signal or `--timeout`
+        cuts it short, as in `_wait`)."""
+        end = min(time.monotonic() + seconds, self.deadline)
         while self.stop_signal is None and time.monotonic() < end:
             if all(task.poll() is not None for task in self.tasks):
                 return
