@@ -1,5 +1,6 @@
 """What tf_lars's optimizer wrappers (`LossScaleOptimizer`, `AGN`) share."""
 
+import inspect
 import sys
 
 import keras
@@ -97,12 +98,12 @@ def refuse_outer_loss_scale(wrapper):
     subclass) would unscale every gradient before the inner loss scale
     unscales it again: steps `scale` times too small. Keras builds its inner
     optimizer from its own `build`, which is where the nesting is seen
-    (`_internals.building_loss_scale`).
+    (`building_loss_scale`).
     """
     inner = wrapper.inner_optimizer
     if not isinstance(inner, keras.optimizers.LossScaleOptimizer):
         return
-    if _internals.building_loss_scale(wrapper) is not None:
+    if building_loss_scale(wrapper) is not None:
         kind = type(wrapper).__name__
         raise ValueError(
             f"{kind}'s `inner_optimizer` is a loss-scale optimizer already, "
@@ -113,6 +114,32 @@ def refuse_outer_loss_scale(wrapper):
             f"Received: {kind}({type(inner).__name__}(...)) inside "
             "another loss-scale optimizer"
         )
+
+
+def building_loss_scale(optimizer):
+    """The Keras `LossScaleOptimizer` whose `build` is building `optimizer`
+    now, or None: a loss scale around DiLoCo/AGN would unscale twice. Keras
+    3.15 resets `inner.loss_scale_factor`, 3.8 does not; every release
+    builds its inner optimizer from its `build`, so the frames are read."""
+    frame = inspect.currentframe().f_back
+    for _ in range(8):  # the wrapper's build and a decorator or two above it
+        frame = frame.f_back if frame is not None else None
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if (
+            isinstance(owner, keras.optimizers.LossScaleOptimizer)
+            and getattr(owner, "inner_optimizer", None) is optimizer
+        ):
+            return owner
+    return None
+
+
+def backing_variable(variable):
+    """The `tf.Variable` behind a Keras variable (the strategy's
+    `extended.update` needs it); a `tf.Variable` passes through."""
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and not isinstance(variable, tf.Variable):
+        return variable.value
+    return variable
 
 
 class InnerOptimizerWrapper:

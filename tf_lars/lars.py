@@ -212,9 +212,7 @@ class LARS(
         super().build(variables)
         self.momentums = []
         if self.momentum != 0:
-            self.momentums = _internals.add_optimizer_variables(
-                self, variables, "momentum"
-            )
+            self.momentums = _add_optimizer_variables(self, variables, "momentum")
         self._resolve_exclusions(variables)
 
     def _apply_weight_decay(self, variables):
@@ -378,3 +376,15 @@ class LARS(
         """Creates a `LARS` from `get_config()` output; unknown keys raise."""
         check_config_keys(cls, config)
         return super().from_config(dict(config), custom_objects=custom_objects)
+
+
+def _add_optimizer_variables(optimizer, variables, name, initializer="zeros"):
+    """`Optimizer.add_optimizer_variables` (Keras 3.11+); before it, one
+    `add_variable_from_reference` per variable."""
+    add = getattr(optimizer, "add_optimizer_variables", None)
+    if add is not None:
+        return add(variables, name, initializer=initializer)
+    return [
+        optimizer.add_variable_from_reference(v, name=name, initializer=initializer)
+        for v in variables
+    ]

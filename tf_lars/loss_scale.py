@@ -202,7 +202,7 @@ class LossScaleOptimizer(
             return
         # Creates `step_counter`, `dynamic_scale`, builds the inner optimizer.
         super().build(var_list)
-        _internals.finish_wrapper_build(self, var_list)
+        _finish_wrapper_build(self, var_list)
         self.skipped_step_counter = self.add_variable(
             shape=(),
             dtype="int",
@@ -391,3 +391,10 @@ class LossScaleOptimizer(
             dynamic=self.dynamic,
             dynamic_growth_steps=self.dynamic_growth_steps,
         )
+
+
+def _finish_wrapper_build(optimizer, var_list):
+    """Runs the base `Optimizer.build` that Keras's `LossScaleOptimizer.build`
+    skips through Keras 3.11 (3.15 calls it)."""
+    if not _internals.trainable_variables_of(optimizer) and var_list:
+        keras.optimizers.Optimizer.build(optimizer, list(var_list))

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from tf_lars import _internals, _trust, lamb, lars, trust_ratio
 from tf_lars._validation import check_gradient_shapes
-from tf_lars._wrapper import gradient_as_tensor
+from tf_lars._wrapper import backing_variable, gradient_as_tensor
 
 
 def is_sparse(gradient):
@@ -371,7 +371,7 @@ class LARS(_Norms, CompiledApply, lars.LARS):
         # summed across replicas, in replica context (the same on every
         # replica), then each variable's update through the strategy, as
         # Keras's own TensorFlow optimizer does.
-        tf_variables = [_internals.backing_variable(v) for v in trainable_variables]
+        tf_variables = [backing_variable(v) for v in trainable_variables]
         grads_and_vars = _internals.all_reduce_sum_gradients(
             self, list(zip(grads, tf_variables))
         )

@@ -29,8 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars import _internals
 from tf_lars.diloco import DiLoCo, decode
+from tf_lars.distribute import _internals
 
 __all__ = ["DiLoCoBackup", "DiLoCoSync", "Traffic", "synchronize"]
 

@@ -25,8 +25,8 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tf_lars import _internals
-from tf_lars.distribute import _process
+from tf_lars._wrapper import backing_variable
+from tf_lars.distribute import _internals, _process
 from tf_lars.distribute import tf_config as tf_config_lib
 from tf_lars.distribute.logs import log_tensorflow_records_once
 
@@ -109,7 +109,7 @@ def _metrics_sync_on_write(model):
     tracker = _internals.loss_tracker_of(model)
     if tracker is None or not tracker.variables:
         return False
-    value = _internals.backing_variable(tracker.variables[0])
+    value = backing_variable(tracker.variables[0])
     return (
         isinstance(value, tf.distribute.DistributedValues)
         and value.synchronization != tf.VariableSynchronization.ON_READ

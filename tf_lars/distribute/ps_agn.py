@@ -7,9 +7,9 @@ import itertools
 import keras
 import tensorflow as tf
 
-from tf_lars import _internals
 from tf_lars import agn as agn_rule
 from tf_lars._exclusions import mark_stand_in
+from tf_lars.distribute import _internals
 
 _ids = itertools.count()
 

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_lars import _internals
+from tf_lars.distribute import _internals
 from tf_lars.distribute.logs import log_tensorflow_records_once, write_lines
 from tf_lars.distribute.ps_agn import ParameterServerAGN, check_strategy_and_agn
 from tf_lars.distribute.tf_config import split_address
