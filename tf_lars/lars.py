@@ -29,21 +29,6 @@ from tf_lars.backend import BackendSubclass
 __all__ = ["ALL_1D", "LARS", "SOURCE_PATH_ATTRIBUTE"]
 
 
-def _decayed(gradient, variable, decay, dtype):
-    """`g + wd w` for the norm of step 2 (trust ratio), as a function computing it.
-
-    Written `g - (-wd) w` (the same values) from `g`, `w` and `-wd` taken
-    `_trust.apart`, so that XLA shares no term with the `g + wd w` of
-    step 4 (momentum) and computes it inside the norm's pass instead of
-    writing it out as large as the variable (docs/guides/backends.md, "What
-    the JAX step costs"; TensorFlow has no barrier op, hence the negation).
-    """
-    gradient, variable, negated = _trust.apart(
-        [gradient, variable, ops.convert_to_tensor(-decay, dtype)]
-    )
-    return lambda: gradient - negated * variable
-
-
 @keras.saving.register_keras_serializable(package="tf_lars")
 class LARS(
     BackendSubclass, ShapeCheckedApply, LayerwiseExclusions, keras.optimizers.Optimizer
@@ -236,6 +221,10 @@ class LARS(
         return super()._get_current_learning_rate()
 
     # ------------------------------------------------------- the update rule
+    def _decayed(self, gradient, variable, decay):
+        """`g + wd w`, for the norm of step 2 (trust ratio)."""
+        return gradient + ops.convert_to_tensor(decay, gradient.dtype) * variable
+
     def _trust_ratios(self, grads, variables):
         """Step 2 (trust ratio) for every dense gradient at once: one `norms`
         and one `trust_ratio` call per compute dtype. Returns each variable's
@@ -258,10 +247,9 @@ class LARS(
             weights = [ops.cast(variables[p], dtype) for p in positions]
             grads_in_norm = [ops.cast(grads[p], dtype) for p in positions]
             if self.trust_ratio == "decayed" and self.decay_in_gradient:
-                # |g'| with g' = g + wd w (step 1 (decay in the gradient)),
-                # apart from the g' of step 4 (momentum).
+                # |g'| with g' = g + wd w (step 1 (decay in the gradient)).
                 grads_in_norm = [
-                    _decayed(g, w, decay, dtype) if decay != 0.0 else g
+                    self._decayed(g, w, decay) if decay != 0.0 else g
                     for g, w, decay in zip(grads_in_norm, weights, decays, strict=True)
                 ]
             both = self._norms(weights + grads_in_norm)

@@ -456,7 +456,9 @@ class TrustRatio(
         return True
 
     def _recomputes_for_norms(self, direction):
-        return _trust.recomputes_for_norms(direction)
+        # Portable: the norm reads the stored direction (the JAX and
+        # TensorFlow subclasses recompute it where a compiler sees the step).
+        return False
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Keras's `stateless_apply` (what the JAX trainer calls); refused on

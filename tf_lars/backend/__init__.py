@@ -2,16 +2,18 @@
 
 Keras's own pattern (`keras/src/backend/torch/optimizers/`, where
 `TorchOptimizer.__new__` swaps `SGD` for `TorchSGD`): the rule files hold
-the portable rule in `keras.ops`, and on the TensorFlow backend
+the portable rule in `keras.ops`, and on the TensorFlow and JAX backends
 `tf_lars.LARS(...)`, `tf_lars.TrustRatio(...)` and `tf_lars.LAMB(...)`
-construct the subclass of `tf_lars/backend/tensorflow.py`, which overrides
-methods with TensorFlow's fused kernels, sparse rows and cross-replica
-steps. The subclasses keep the public class's name, module and registered
+construct the subclass of `tf_lars/backend/tensorflow.py` (fused kernels,
+sparse rows, cross-replica steps, XLA's compile-time tricks) or
+`tf_lars/backend/jax.py` (what `jax.jit` needs to keep the norms in one
+pass). The subclasses keep the public class's name, module and registered
 name, so configs and saved files read the same. A user's subclass of a
 public class gets the same overrides (a class made once, on first use).
 """
 
 import functools
+import importlib
 
 import keras
 
@@ -19,16 +21,35 @@ import keras
 @functools.cache
 def subclass(cls):
     """The class that `cls(...)` constructs on the running backend."""
-    if keras.backend.backend() != "tensorflow":
+    backend = keras.backend.backend()
+    if backend not in ("tensorflow", "jax"):
         return cls
-    from tf_lars.backend import tensorflow
-
-    if cls in tensorflow.SUBCLASSES or issubclass(cls, tensorflow.CompiledApply):
-        return tensorflow.SUBCLASSES.get(cls, cls)
-    for public, fast in tensorflow.SUBCLASSES.items():
-        if issubclass(cls, public):  # a user's subclass, e.g. of LARS
-            return tensorflow.with_name_of(cls, type(cls.__name__, (fast, cls), {}))
+    fast_classes = importlib.import_module(f"tf_lars.backend.{backend}").SUBCLASSES
+    if any(issubclass(cls, fast) for fast in fast_classes.values()):
+        return cls
+    for public, fast in fast_classes.items():
+        if issubclass(cls, public):  # the public class, or a user's subclass
+            if cls is public:
+                return fast
+            return with_name_of(cls, type(cls.__name__, (fast, cls), {}))
     return cls
+
+
+def with_name_of(public, cls):
+    """`cls` with `public`'s name, module, docstring and registered name, so
+    that configs and saved files read as `public`'s."""
+    cls.__name__, cls.__qualname__ = public.__name__, public.__qualname__
+    cls.__module__, cls.__doc__ = public.__module__, public.__doc__
+    registered = keras.saving.get_registered_name(public)
+    if registered != public.__name__:  # registered as "package>name"
+        package, _, name = registered.partition(">")
+        keras.saving.register_keras_serializable(package, name)(cls)
+    return cls
+
+
+def like(public):
+    """Class decorator: `with_name_of(public, cls)`."""
+    return lambda cls: with_name_of(public, cls)
 
 
 class BackendSubclass:

@@ -33,6 +33,7 @@ import tensorflow as tf
 from tf_lars import _internals, _trust, lamb, lars, trust_ratio
 from tf_lars._validation import check_gradient_shapes
 from tf_lars._wrapper import backing_variable, gradient_as_tensor
+from tf_lars.backend import like
 
 
 def is_sparse(gradient):
@@ -319,22 +320,6 @@ class CompiledApply:
 # --------------------------------------------------------------- the subclasses
 
 
-def with_name_of(public, cls):
-    """`cls` with `public`'s name, module, docstring and registered name, so
-    that configs and saved files read as `public`'s."""
-    cls.__name__, cls.__qualname__ = public.__name__, public.__qualname__
-    cls.__module__, cls.__doc__ = public.__module__, public.__doc__
-    registered = keras.saving.get_registered_name(public)
-    if registered != public.__name__:  # registered as "package>name"
-        package, _, name = registered.partition(">")
-        keras.saving.register_keras_serializable(package, name)(cls)
-    return cls
-
-
-def _like(public):
-    return lambda cls: with_name_of(public, cls)
-
-
 class _Norms:
     """The folded norms and the ratio entries at runtime positions (1, 5)."""
 
@@ -346,9 +331,9 @@ class _Norms:
 
 
 # `tf_lars.LARS` on TensorFlow: fused momentum, folded norms, sparse rows
-# (step 5 (sparse gradients)) and the cross-replica step. (`_like` gives the
+# (step 5 (sparse gradients)) and the cross-replica step. (`like` gives the
 # subclasses the public class's docstring.)
-@_like(lars.LARS)
+@like(lars.LARS)
 class LARS(_Norms, CompiledApply, lars.LARS):
     def _is_dense(self, gradient):
         return not is_sparse(gradient)
@@ -357,6 +342,13 @@ class LARS(_Norms, CompiledApply, lars.LARS):
         momentum_step(
             self, variable, slot, gradient, rate, self.momentum, self.nesterov
         )
+
+    def _decayed(self, gradient, variable, decay):
+        # `g - (-wd) w` (the same values): an expression XLA does not share
+        # with step 4's `g + wd w`, so the norm sums it in its own pass
+        # instead of reading it back as large as the variable.
+        negated = tf.constant(-decay, gradient.dtype)
+        return lambda: gradient - negated * variable
 
     def _update(self, gradient, variable, learning_rate, ratio):
         if is_sparse(gradient):  # Step 5 (sparse gradients).
@@ -420,13 +412,13 @@ class _TrustRatioSteps(_Norms, CompiledApply):
         type(inner).update_step(inner, summed_rows(gradient), variable, learning_rate)
 
 
-@_like(trust_ratio.TrustRatio)
+@like(trust_ratio.TrustRatio)
 class TrustRatio(_TrustRatioSteps, trust_ratio.TrustRatio):
     pass
 
 
 # `tf_lars.LAMB` on TensorFlow: also Adam's fused kernel and sparse rows.
-@_like(lamb.LAMB)
+@like(lamb.LAMB)
 class LAMB(_TrustRatioSteps, lamb.LAMB):
     def update_step(self, gradient, variable, learning_rate):
         if not is_sparse(gradient):
