@@ -679,30 +679,30 @@ def test_tf_scaled_step_equals_the_portable_step(tracer):
     )
 
 
-def _lamb_steps(direction_of, start, gradients, decay):
-    """Two LAMB directions (times their scale) and Adam's slots after."""
-    optimizer = tf_lars.LAMB(learning_rate=0.01)
+def _lamb_steps(rule, start, gradients, decay):
+    """Two of LAMB's steps `lr * u` (as `rule.update_step` hands them to
+    `_take_step`: `scale * direction`) and Adam's slots after."""
+    optimizer = tf_lars.LAMB(learning_rate=0.01, weight_decay=decay)
     variable = keras.Variable(start)
     optimizer.build([variable])
-    slots = _internals.adam_slots(optimizer.inner_optimizer, 0)
+    taken = []
+
+    def take_step(index, target, scale, direction, *rest):
+        taken.append(scale * direction)
+
+    optimizer._take_step = take_step
 
     @tf.function
     def step(gradient):
-        rate = tf.constant(0.01)
-        scale, epsilon, shift = optimizer._adam_scalars(variable.dtype, rate)
-        factor = None
-        if decay != 0.0:
-            factor = _trust.decay_factor(scale, rate, decay)
-        direction = direction_of._adam_direction(
-            optimizer, gradient, variable.value, slots, epsilon, shift, factor
-        )
+        taken.clear()
+        rule.update_step(optimizer, gradient, variable, tf.constant(0.01))
         optimizer.inner_optimizer.iterations.assign_add(1)
-        return scale * direction
+        return taken[0]
 
     steps = [step(gradient).numpy() for gradient in gradients]
     # The fast path took the fused kernel (its scratch buffer exists).
     fused = len(tf_backend.direction_buffers(optimizer))
-    assert fused == (1 if direction_of is tf_backend.LAMB else 0)
+    assert fused == (1 if rule is tf_backend.LAMB else 0)
     return steps + [v.numpy() for v in optimizer.inner_optimizer.variables[2:]]
 
 

@@ -1,8 +1,8 @@
 """The only rule code LARS, TrustRatio and LAMB share, in `keras.ops`.
 
 Norms (with the overflow-safe rescaled fallback), the trust ratio and its
-record, and Adam's quotient. docs/algorithms.md states the rules; each
-rule file (`lars.py`, `trust_ratio.py`, `lamb.py`) calls these. The
+record, and the decay factor of a scaled step. docs/algorithms.md states the
+rules; each rule file (`lars.py`, `trust_ratio.py`, `lamb.py`) calls these. The
 TensorFlow backend's subclasses (`tf_lars/backend/tensorflow.py`) pass their
 own `sum_of_squares` to `norms`; tests/backends_rules_test.py holds the two
 equal.
@@ -241,27 +241,3 @@ def decay_factor(scale, learning_rate, decay):
     return (
         ops.cast(learning_rate, dtype) * ops.convert_to_tensor(decay, dtype) / divisor
     )
-
-
-def zero_epsilons(optimizer):
-    """Whether LAMB's `epsilon` and `eps_root` are both 0 (`adam_quotient`'s
-    `guarded`)."""
-    return optimizer.epsilon == 0.0 and optimizer.eps_root == 0.0
-
-
-def adam_quotient(m, v, epsilon, shift, guarded):
-    """`m / (sqrt(v + shift) + epsilon)`; with `guarded`, 0 where that is 0 / 0.
-
-    `shift` (`eps_root * (1 - b2**t)`, or None) and `epsilon` (`eps *
-    sqrt(1 - b2**t)`) carry Adam's second bias correction (`tf_lars.LAMB`).
-    `guarded` (both epsilons 0): a variable whose gradients were all 0 has
-    `m = v = 0`, and its direction is 0, not NaN.
-    """
-    if shift is not None:
-        v = v + shift
-    denominator = ops.sqrt(v) + epsilon
-    if guarded:
-        denominator = ops.where(
-            denominator > 0, denominator, ops.ones_like(denominator)
-        )
-    return m / denominator

@@ -37,23 +37,28 @@ class LambAdam(keras.optimizers.Adam):
         self.eps_root = eps_root
 
 
-def _recomputed(slots, variable, epsilon, shift, factor, optimizer):
-    """A function computing LAMB's direction again from `m`, `v` and `w`.
+def _recomputed(optimizer, m, v, variable, correction_1, correction_2, decay):
+    """A function computing LAMB's `u` again from `m`, `v` and `w`.
 
-    The same values; `abs` (v >= 0) only makes the expression a different
-    one, so that XLA does not share the two. The scalars pass `apart` with
-    `v`: on JAX, XLA would otherwise fold their arithmetic into a broadcast
-    and write it out as large as `v` before the norm reads it
-    (docs/guides/backends.md).
+    The same values as `LAMB.update_step`'s `u`; `abs` (v >= 0) only makes
+    the expression a different one, so that XLA does not share the two. The
+    scalars pass `apart` with `v`: on JAX, XLA would otherwise fold their
+    arithmetic into a broadcast and write it out as large as `v` before the
+    norm reads it (docs/guides/backends.md).
     """
-    m, v = (ops.convert_to_tensor(slot) for slot in slots)
-    weights = ops.convert_to_tensor(variable)
-    guarded = _trust.zero_epsilons(optimizer)
+    dtype = variable.dtype
+    m, v, weights = (ops.convert_to_tensor(x) for x in (m, v, variable))
+    scalars = [correction_1, correction_2] + [
+        ops.convert_to_tensor(x, dtype)
+        for x in (optimizer.epsilon, optimizer.eps_root, decay)
+    ]
 
     def for_norm():
-        kept = _trust.apart([v, epsilon] + ([] if factor is None else [factor]))
-        again = _trust.adam_quotient(m, ops.abs(kept[0]), kept[1], shift, guarded)
-        return again if factor is None else again + kept[2] * weights
+        v_kept, c_1, c_2, epsilon, eps_root, wd = _trust.apart([v, *scalars])
+        m_hat = m / c_1
+        v_hat = ops.abs(v_kept) / c_2
+        update = m_hat / optimizer._denominator(v_hat, epsilon, eps_root)
+        return update if decay == 0.0 else update + wd * weights
 
     return for_norm
 
@@ -195,62 +200,65 @@ class LAMB(TrustRatio):
         )
 
     def update_step(self, gradient, variable, learning_rate):
-        """LAMB's step for one variable: steps 1 to 6 (inner step, decay,
-        trust ratio, clip, update, sparse gradients) of docs/algorithms.md,
-        "TrustRatio and LAMB"."""
+        """Steps 1 to 5 (inner step, decay, trust ratio, clip, update) of
+        docs/algorithms.md, "TrustRatio and LAMB", for one variable (the
+        TensorFlow subclass takes step 6 (sparse gradients))."""
         index = _internals.variable_index(self, variable)
-        slots = _internals.adam_slots(self.inner_optimizer, index)
+        m, v = _internals.adam_slots(self.inner_optimizer, index)
         decay = self._variable_weight_decay[index]
-        # Step 1 (inner step): Adam's moments and its step
-        # lr * m_hat / (sqrt(v_hat + eps_root) + eps), taken as
-        # scale * m / (sqrt(v + shift) + epsilon): the bias corrections
-        # c1 = 1 - b1**t and c2 = 1 - b2**t are folded into the scalars
-        # scale = lr sqrt(c2) / c1, epsilon = eps sqrt(c2), shift = eps_root c2.
-        scale, epsilon, shift = self._adam_scalars(variable.dtype, learning_rate)
-        # Step 2 (decay): u = m_hat / (...) + wd w, so lr u = scale * direction
-        # with the decay term factor * w, factor = lr wd / scale.
-        factor = None
-        if decay != 0.0:
-            factor = _trust.decay_factor(scale, learning_rate, decay)
-        direction = self._adam_direction(
-            gradient, variable, slots, epsilon, shift, factor
-        )
-        for_norm = direction
-        if (
-            self._recomputes
-            and self._recomputes_for_norms(direction)
-            and not _trust.stacks(direction)
-        ):
-            # Under XLA the norm of step 3 (trust ratio) computes the
-            # direction again from m, v and w, summed in the pass that reads
-            # them, instead of writing it out and reading it back
-            # (docs/guides/benchmarks.md): for models of at least
-            # `_trust.RECOMPUTED_FROM` parameters; a small direction is copied
-            # into its shape's stack for the norm anyway.
-            for_norm = _recomputed(slots, variable, epsilon, shift, factor, self)
-        # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
-        # w <- w - T * scale * direction.
-        self._take_step(index, variable, scale, direction, learning_rate, for_norm)
-
-    def _adam_direction(self, gradient, variable, slots, epsilon, shift, factor):
-        """Steps 1 and 2 (inner step, decay): Adam's moments `slots = (m, v)`
-        updated with `gradient`, and the direction `m / (sqrt(v + shift) +
-        epsilon) + factor * w` (`factor` None: no decay term)."""
-        m, v = slots
         dtype = variable.dtype
-        # `1 - beta` is rounded once from the Python float: bfloat16 holds
-        # 0.999 as 1.0, so `1 - beta_2` in bfloat16 would be 0 (v frozen).
         gradient = ops.cast(gradient, dtype)
+        lr, correction_1, correction_2 = self._bias_corrections(dtype, learning_rate)
+
+        # Step 1 (inner step): Adam's moments, their bias corrections at step
+        # t and Adam's direction d. `1 - beta` is rounded once from the
+        # Python float: bfloat16 holds 0.999 as 1.0, so `1 - beta_2` computed
+        # in bfloat16 would be 0 (v frozen).
         one_minus_1 = ops.convert_to_tensor(1 - self.beta_1, dtype)
         one_minus_2 = ops.convert_to_tensor(1 - self.beta_2, dtype)
+        # m <- m + (1 - b1) (g - m);  v <- v + (1 - b2) (g**2 - v)
         self.assign_add(m, (gradient - m) * one_minus_1)
         self.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
-        direction = _trust.adam_quotient(
-            m, v, epsilon, shift, _trust.zero_epsilons(self)
-        )
-        if factor is None:
-            return direction
-        return direction + factor * ops.convert_to_tensor(variable)
+        m_hat = m / correction_1  # m / (1 - b1**t)
+        v_hat = v / correction_2  # v / (1 - b2**t)
+        # d = m_hat / (sqrt(v_hat + eps_root) + epsilon)
+        update = m_hat / self._denominator(v_hat, self.epsilon, self.eps_root)
+
+        # Step 2 (decay): u = d + wd w.
+        if decay != 0.0:
+            update = update + decay * ops.convert_to_tensor(variable)
+
+        # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
+        # w <- w - lr * T * u.
+        for_norm = update
+        if (
+            self._recomputes
+            and self._recomputes_for_norms(update)
+            and not _trust.stacks(update)
+        ):
+            # Under XLA the norm computes u again from m, v and w, summed in
+            # the pass that reads them, instead of writing u out and reading
+            # it back (docs/guides/benchmarks.md): for models of at least
+            # `_trust.RECOMPUTED_FROM` parameters; a small u is copied into
+            # its shape's stack for the norm anyway.
+            for_norm = _recomputed(
+                self, m, v, variable, correction_1, correction_2, decay
+            )
+        self._take_step(index, variable, lr, update, learning_rate, for_norm)
+
+    def _denominator(self, v_hat, epsilon, eps_root):
+        """`sqrt(v_hat + eps_root) + epsilon` (`eps_root` added where the
+        setting is not 0). Where `epsilon` and `eps_root` are both 0, 1 in
+        place of 0: there `m = v = 0` (every gradient so far 0), and the
+        direction is 0, not NaN."""
+        if self.eps_root != 0.0:
+            v_hat = v_hat + eps_root
+        denominator = ops.sqrt(v_hat) + epsilon
+        if self.epsilon == 0.0 and self.eps_root == 0.0:
+            denominator = ops.where(
+                denominator > 0, denominator, ops.ones_like(denominator)
+            )
+        return denominator
 
     def build(self, variables):
         """Builds Adam's slots; sizes the model for step 3 (trust ratio)."""
@@ -260,26 +268,25 @@ class LAMB(TrustRatio):
         size = sum(math.prod(variable.shape) for variable in variables)
         self._recomputes = size >= _trust.RECOMPUTED_FROM
 
-    def _adam_scalars(self, dtype, learning_rate):
-        """`(scale, epsilon, shift)` of step 1 (inner step) in `dtype` (shift
-        None without `eps_root`), computed in float32 (float64 for float64
-        variables): in bfloat16 `b2**t` rounds to 1 and the scale to 0."""
+    def _bias_corrections(self, dtype, learning_rate):
+        """`(lr, 1 - b1**t, 1 - b2**t)` in `dtype` at Adam's step `t`
+        (1-based), once per step. The bias corrections are computed in
+        float32 (float64 for float64 variables): in bfloat16 `b2**t` rounds
+        to 1."""
         adam = self.inner_optimizer
         scalar = _trust.compute_dtype(dtype)
 
         def compute():
             step = ops.cast(adam.iterations + 1, scalar)
-            power = lambda beta: ops.power(ops.convert_to_tensor(beta, scalar), step)  # noqa: E731
-            root_2 = ops.sqrt(1 - power(adam.beta_2))
-            scale = ops.cast(learning_rate, scalar) / (1 - power(adam.beta_1)) * root_2
-            epsilon = ops.convert_to_tensor(adam.epsilon, scalar) * root_2
-            shift = None
-            if adam.eps_root != 0.0:
-                eps_root = ops.convert_to_tensor(adam.eps_root, scalar)
-                shift = ops.cast(eps_root * ops.square(root_2), dtype)
-            return ops.cast(scale, dtype), ops.cast(epsilon, dtype), shift
+            corrections = [
+                1 - ops.power(ops.convert_to_tensor(beta, scalar), step)
+                for beta in (adam.beta_1, adam.beta_2)
+            ]
+            lr = ops.cast(learning_rate, dtype)
+            return (lr, *(ops.cast(c, dtype) for c in corrections))
 
-        return self._once_per_step(("adam", str(dtype), id(learning_rate)), compute)
+        key = ("adam", keras.backend.standardize_dtype(dtype), id(learning_rate))
+        return self._once_per_step(key, compute)
 
     def _step_each_variable(self, grads, variables, learning_rate):
         # LAMB's own `update_step` for each variable, through Keras's loop

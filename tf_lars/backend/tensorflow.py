@@ -12,7 +12,7 @@ to the portable rule; `python benchmarks/bench.py` measures what each saves
    folded into a `[rows, width]` matrix times a vector of ones (XLA's
    multi-threaded matrix-vector kernel, where a full reduction is one
    serial loop); without XLA, one `MatMul` of the flat tensor with itself.
-2. **Fused writes** (`_momentum_step`, `_scaled_step`, `_adam_direction`):
+2. **Fused writes** (`_momentum_step`, `_scaled_step`, LAMB's `update_step`):
    TensorFlow's `ResourceApplyMomentum`, `ResourceApplyGradientDescent` and
    `ResourceApplyAdam` update a slot and a variable in one pass.
 3. **Compiled eager apply** (`CompiledApply`): an eager `apply` runs as one
@@ -190,44 +190,53 @@ _BUFFERS = weakref.WeakKeyDictionary()
 
 
 def direction_buffers(optimizer):
-    """The scratch buffers `adam_direction` made for `optimizer`, by key."""
+    """The scratch buffers `fused_adam_direction` made for `optimizer`, by key."""
     return _BUFFERS.setdefault(optimizer, {})
 
 
-def adam_direction(
-    optimizer, gradient, variable, slots, epsilon, shift, factor, portable
-):
-    """LAMB's `_adam_direction` (`portable`), sparse gradients included.
+def fuses_adam(optimizer, variable):
+    """Whether LAMB's steps 1 and 2 (inner step, decay) for `variable` take
+    TensorFlow's fused Adam kernel (`fused_adam_direction`): without XLA and
+    `tf.distribute`, in float32 or float64, with no `eps_root` and a non-zero
+    `epsilon` (the kernel has no 0 / 0 guard)."""
+    return (
+        optimizer.eps_root == 0.0
+        and optimizer.epsilon != 0.0
+        and variable.dtype in (tf.float32, tf.float64)
+        and not tf.distribute.has_strategy()
+        and not _internals.in_xla_context()
+    )
 
-    A sparse gradient's repeated rows are summed before they are squared,
-    and every row of `m` and `v` decays (Adam on the summed dense gradient,
-    never densified). Without XLA and `tf.distribute`, in float32 or
-    float64, with no `eps_root` and a non-zero `epsilon` (the kernel has no
-    0 / 0 guard), TensorFlow's `ResourceApplyAdam` updates `m` and `v` and
-    adds `m / (sqrt(v) + epsilon)` to a scratch buffer set to the decay term,
-    in one pass (its own bias correction off: `lr = -1`, both beta powers 0).
-    """
+
+def fused_adam_scalars(optimizer, dtype, learning_rate):
+    """`(scale, epsilon)` for `fused_adam_direction` in `dtype`: LAMB's
+    `lr * m_hat / (sqrt(v_hat) + eps)` is `scale * m / (sqrt(v) + epsilon)`
+    with `c1 = 1 - b1**t`, `c2 = 1 - b2**t`, `scale = lr sqrt(c2) / c1` and
+    `epsilon = eps sqrt(c2)`; computed once per step in float32 (float64 for
+    float64 variables)."""
+    adam = optimizer.inner_optimizer
+    scalar = _trust.compute_dtype(dtype)
+
+    def compute():
+        step = tf.cast(adam.iterations + 1, scalar)
+        power = lambda beta: tf.pow(tf.constant(beta, scalar), step)  # noqa: E731
+        root_2 = tf.sqrt(1 - power(adam.beta_2))
+        scale = tf.cast(learning_rate, scalar) / (1 - power(adam.beta_1)) * root_2
+        epsilon = tf.constant(adam.epsilon, scalar) * root_2
+        return tf.cast(scale, dtype), tf.cast(epsilon, dtype)
+
+    key = ("fused adam", tf.as_dtype(dtype).name, id(learning_rate))
+    return optimizer._once_per_step(key, compute)
+
+
+def fused_adam_direction(optimizer, gradient, variable, slots, epsilon, factor):
+    """LAMB's Adam moments `slots = (m, v)` updated with `gradient`, and the
+    direction `m / (sqrt(v) + epsilon) + factor * w` (`factor` None: no
+    decay term), in one pass of TensorFlow's `ResourceApplyAdam` into a
+    scratch buffer set to the decay term (its own bias correction off:
+    `lr = -1`, both beta powers 0)."""
     m, v = slots
     dtype = variable.dtype
-    if is_sparse(gradient):
-        gradient = summed_rows(gradient, dtype)
-        rows, summed = gradient.indices, gradient.values
-        optimizer.assign(m, m * tf.constant(optimizer.beta_1, dtype))
-        added = summed * tf.constant(1 - optimizer.beta_1, dtype)
-        optimizer.assign_add(m, tf.IndexedSlices(added, rows))
-        optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
-        added = tf.square(summed) * tf.constant(1 - optimizer.beta_2, dtype)
-        optimizer.assign_add(v, tf.IndexedSlices(added, rows))
-        guarded = _trust.zero_epsilons(optimizer)
-        return _trust.adam_quotient(m, v, epsilon, shift, guarded)
-    if (
-        shift is not None
-        or optimizer.epsilon == 0.0
-        or dtype not in (tf.float32, tf.float64)
-        or tf.distribute.has_strategy()
-        or _internals.in_xla_context()
-    ):
-        return portable(gradient, variable, slots, epsilon, shift, factor)
     buffers = direction_buffers(optimizer)
     key = (tuple(variable.shape), variable.dtype)
     if key not in buffers:
@@ -256,6 +265,22 @@ def adam_direction(
         use_nesterov=False,
     )
     return tf.convert_to_tensor(buffer)
+
+
+def sparse_adam_moments(optimizer, gradient, variable, slots):
+    """LAMB's Adam moments `slots = (m, v)` updated with a sparse gradient:
+    its repeated rows summed before they are squared, and every row of `m`
+    and `v` decays (Adam on the summed dense gradient, never densified)."""
+    m, v = slots
+    dtype = variable.dtype
+    gradient = summed_rows(gradient, dtype)
+    rows, summed = gradient.indices, gradient.values
+    optimizer.assign(m, m * tf.constant(optimizer.beta_1, dtype))
+    added = summed * tf.constant(1 - optimizer.beta_1, dtype)
+    optimizer.assign_add(m, tf.IndexedSlices(added, rows))
+    optimizer.assign(v, v * tf.constant(optimizer.beta_2, dtype))
+    added = tf.square(summed) * tf.constant(1 - optimizer.beta_2, dtype)
+    optimizer.assign_add(v, tf.IndexedSlices(added, rows))
 
 
 # ------------------------------------------------------ 3. compiled eager apply
@@ -421,28 +446,37 @@ class TrustRatio(_TrustRatioSteps, trust_ratio.TrustRatio):
 @like(lamb.LAMB)
 class LAMB(_TrustRatioSteps, lamb.LAMB):
     def update_step(self, gradient, variable, learning_rate):
-        if not is_sparse(gradient):
+        if is_sparse(gradient):
+            return self._sparse_step(gradient, variable, learning_rate)
+        if not fuses_adam(self, variable):
             return lamb.LAMB.update_step(self, gradient, variable, learning_rate)
-        # LAMB's step 6 (sparse gradients): Adam's step, no ratio, no decay.
         index = _internals.variable_index(self, variable)
         slots = _internals.adam_slots(self.inner_optimizer, index)
-        scale, epsilon, shift = self._adam_scalars(variable.dtype, learning_rate)
-        direction = self._adam_direction(
-            gradient, variable, slots, epsilon, shift, None
+        decay = self._variable_weight_decay[index]
+        # LAMB's steps 1 and 2 (inner step, decay) in one pass of the kernel:
+        # lr * u = scale * (m / (sqrt(v) + epsilon) + factor * w).
+        scale, epsilon = fused_adam_scalars(self, variable.dtype, learning_rate)
+        factor = None
+        if decay != 0.0:
+            factor = _trust.decay_factor(scale, learning_rate, decay)
+        direction = fused_adam_direction(
+            self, gradient, variable, slots, epsilon, factor
         )
-        self.assign_sub(variable, scale * direction)
+        # LAMB's steps 3 to 5 (trust ratio, clip, update).
+        self._take_step(index, variable, scale, direction, learning_rate)
 
-    def _adam_direction(self, gradient, variable, slots, epsilon, shift, factor):
-        return adam_direction(
-            self,
-            gradient,
-            variable,
-            slots,
-            epsilon,
-            shift,
-            factor,
-            portable=super()._adam_direction,
+    def _sparse_step(self, gradient, variable, learning_rate):
+        # LAMB's step 6 (sparse gradients): Adam's step, no ratio, no decay.
+        index = _internals.variable_index(self, variable)
+        m, v = _internals.adam_slots(self.inner_optimizer, index)
+        sparse_adam_moments(self, gradient, variable, (m, v))
+        lr, correction_1, correction_2 = self._bias_corrections(
+            variable.dtype, learning_rate
         )
+        m_hat = m / correction_1
+        v_hat = v / correction_2
+        update = m_hat / self._denominator(v_hat, self.epsilon, self.eps_root)
+        self.assign_sub(variable, lr * update)
 
 
 #: Public class -> its TensorFlow subclass; LAMB before TrustRatio (its base),
