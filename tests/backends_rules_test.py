@@ -26,6 +26,7 @@ from tests import benchmark_scripts
 from tests import lamb_reference as ref
 from tests import lars_reference as lars_ref
 from tf_lars import _internals, _trust, lamb, lars, trust_ratio
+from tf_lars.backend import _compiled
 
 BACKEND = keras.backend.backend()
 STEPS = 3
@@ -235,8 +236,8 @@ def test_norms_keep_their_range(which, scale):
     got = _trust.norms([ops.convert_to_tensor(x) for x in weights + grads])
     np.testing.assert_allclose(ops.convert_to_numpy(got), want_norms, rtol=1e-5)
     if which.startswith("lars"):
-        # "decayed": the norm of g + wd w, a function of `_trust.apart`
-        # values that the range check's branch calls again.
+        # "decayed": the norm of g + wd w, a function (on JAX of barrier
+        # values, `tf_lars.backend.jax.apart`) the range check's branch calls again.
         trust_ratio = "decayed" if which == "lars_decayed" else "paper"
         optimizer = tf_lars.LARS(
             0.1, momentum=0.0, weight_decay=0.01, trust_ratio=trust_ratio
@@ -264,16 +265,18 @@ def test_norms_keep_their_range(which, scale):
         np.testing.assert_allclose(value, expected, rtol=2e-5)
 
 
-def test_apart_keeps_the_values_and_on_jax_is_a_barrier(monkeypatch):
+@ONLY_JAX
+def test_apart_keeps_the_values_and_is_a_barrier(monkeypatch):
+    import jax
+
+    from tf_lars.backend import jax as jax_backend
+
     a = ops.convert_to_tensor([1.0, -2.0])
     b = ops.convert_to_tensor([[3.0]])
-    got = _trust.apart([a, b])
+    got = jax_backend.apart([a, b])
     assert len(got) == 2
     np.testing.assert_array_equal(ops.convert_to_numpy(got[0]), [1.0, -2.0])
     np.testing.assert_array_equal(ops.convert_to_numpy(got[1]), [[3.0]])
-    if BACKEND != "jax":
-        return
-    import jax
 
     def traced_step(optimizer, shape=(4, 3)):
         variable = keras.Variable(np.ones(shape, "float32"))
@@ -296,7 +299,7 @@ def test_apart_keeps_the_values_and_on_jax_is_a_barrier(monkeypatch):
     # LAMB's recomputed direction (sized as a large model) reads its scalars
     # through the barrier; a small direction is stacked for its norm and read
     # as stored (`LAMB.update_step`), so it has nothing to keep apart.
-    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_compiled, "RECOMPUTED_FROM", 0)
     assert "optimization_barrier" in traced_step(tf_lars.LAMB(0.1), (64, 128))
     assert "optimization_barrier" not in traced_step(tf_lars.LAMB(0.1), (4, 3))
 
@@ -309,7 +312,10 @@ def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
     # at the extreme scales); eagerly it reads the stored direction. Both
     # give the reference's steps and the same ratios (sized as a large
     # model, where it recomputes).
-    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
+    from tf_lars.backend import jax as jax_backend
+
+    traced = jax_backend.LAMB._recomputes_for_norms  # before the spy replaces it
+    monkeypatch.setattr(_compiled, "RECOMPUTED_FROM", 0)
     start = lars_ref.extreme_values(scale)
     grads = [lars_ref.extreme_values(1.0, seed=1 + i) for i in range(STEPS)]
     results, asked = [], {}
@@ -317,7 +323,7 @@ def test_jax_jit_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
         optimizer = tf_lars.LAMB(learning_rate=0.1, weight_decay=0.01)
 
         def spy(direction, recompute=recompute):
-            decided = _trust.recomputes_for_norms(direction)
+            decided = traced(None, direction)
             asked.setdefault(recompute, []).append(decided)
             return decided and recompute
 
@@ -382,7 +388,7 @@ def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
     # costs"). Two variables of one shape, as in a model, where XLA would
     # share a broadcast between them; LAMB sized as a large model (it
     # stores its direction in small ones: the test below).
-    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_compiled, "RECOMPUTED_FROM", 0)
     hlo_traffic = benchmark_scripts.load("hlo_traffic")
     optimizer = make()
     variables = [keras.Variable(np.full((256, 64), 0.01, "float32")) for _ in "ab"]
@@ -399,15 +405,15 @@ def test_compiled_step_writes_no_variable_sized_temporary(make, monkeypatch):
 @pytest.mark.parametrize("rows", [1024, 4096])
 def test_lamb_recomputes_its_direction_only_in_large_models(rows):
     # Under XLA LAMB's norm computes the direction again only in models of
-    # at least `_trust.RECOMPUTED_FROM` parameters; in a smaller one it stores
-    # the direction (a temporary as large as the variable), which measured
+    # at least `_compiled.RECOMPUTED_FROM` parameters; in a smaller one it
+    # stores the direction (a temporary as large as the variable), which measured
     # faster while the tensors stay in the CPU's caches.
     hlo_traffic = benchmark_scripts.load("hlo_traffic")
     optimizer = tf_lars.LAMB(0.1, weight_decay=0.01)
     variables = [keras.Variable(np.full((rows, 1024), 0.01, "float32"))]
     grads = [ops.full((rows, 1024), 1e-3)]
     text = _compiled_step_hlo(optimizer, variables, grads)
-    large = rows * 1024 >= _trust.RECOMPUTED_FROM
+    large = rows * 1024 >= _compiled.RECOMPUTED_FROM
     assert large == (rows == 4096)
     stored = hlo_traffic.temporaries(text, at_least=rows * 1024 * 4)
     assert (stored == []) == large, stored
@@ -415,14 +421,18 @@ def test_lamb_recomputes_its_direction_only_in_large_models(rows):
 
 def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
     # Eager steps (PyTorch, eager JAX) read the stored direction; a traced
-    # JAX step recomputes it (the TensorFlow subclass's: under XLA).
+    # JAX step recomputes it (the TensorFlow subclass's: under XLA). The
+    # portable LAMB never does: its norm reads `u` as computed.
     eager = ops.convert_to_tensor([1.0, 2.0])
-    assert _trust.recomputes_for_norms(eager) is False
+    optimizer = tf_lars.LAMB(0.1)
+    assert not hasattr(lamb.LAMB, "_recomputes_for_norms")
+    assert lamb.LAMB._for_norm(optimizer, eager, *[None] * 6) is eager
     if BACKEND == "jax":
         import jax
 
+        assert optimizer._recomputes_for_norms(eager) is False
         seen = []
-        jax.jit(lambda x: seen.append(_trust.recomputes_for_norms(x)) or x)(eager)
+        jax.jit(lambda x: seen.append(optimizer._recomputes_for_norms(x)) or x)(eager)
         assert seen == [True]
 
 
@@ -744,7 +754,7 @@ def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
     # at the extreme scales): the same steps and ratios as a LAMB whose
     # norm reads the stored direction, and as the reference (sized as a
     # large model, where it recomputes).
-    monkeypatch.setattr(_trust, "RECOMPUTED_FROM", 0)
+    monkeypatch.setattr(_compiled, "RECOMPUTED_FROM", 0)
     # (64, 128) folds under XLA; norms <= scale, so they are representable.
     start = lars_ref.extreme_values(scale)
     grads = [

@@ -30,11 +30,6 @@ def compute_dtype(dtype):
 #: docs/guides/benchmarks.md, "Compile time", has the measured sizes).
 STACKED_BELOW = 4096
 STACKED_ROWS = 128
-#: LAMB's norm computes its direction again under XLA (`recomputes_for_norms`)
-#: only for models of at least this many parameters: below, the tensors stay
-#: in the CPU's caches and computing the direction twice costs more than
-#: storing it (docs/guides/backends.md, "LAMB's jitted step").
-RECOMPUTED_FROM = 2**22
 
 
 def sum_of_squares(tensor):
@@ -49,34 +44,6 @@ def _rescaled_norm(tensor, squares_of=sum_of_squares):
     peak = ops.max(ops.abs(tensor))
     peak = ops.where(peak > 0, peak, ops.ones_like(peak))
     return peak * ops.sqrt(squares_of(tensor / peak))
-
-
-def recomputes_for_norms(tensor):
-    """Whether LAMB's norm computes its direction `tensor` again from `m`,
-    `v` and `w` instead of reading it back: where a compiler sees the whole
-    step (here: JAX tracing; TensorFlow: under XLA), which then sums the
-    squares in the pass that reads `m`, `v` and `w`. Op by op the
-    recomputation would be extra work."""
-    if keras.backend.backend() != "jax":
-        return False
-    import jax
-
-    return isinstance(tensor, jax.core.Tracer)
-
-
-def apart(tensors):
-    """`tensors` unchanged, as values a compiler will not merge with others
-    (`jax.lax.optimization_barrier` on JAX): an expression of them in a norm
-    (LARS's `g + wd w`) is then computed inside the norm's pass instead of
-    being shared with the update and written out as large as the variable
-    (docs/guides/backends.md, "What the JAX step costs").
-    """
-    tensors = tuple(tensors)
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.lax.optimization_barrier(tensors)
-    return tensors
 
 
 def value_of(tensor):

@@ -8,8 +8,6 @@ corrections, the direction, the decay, the trust ratio and the write);
 step updates together where a compiler sees the step.
 """
 
-import math
-
 import keras
 from keras import ops
 
@@ -35,32 +33,6 @@ class LambAdam(keras.optimizers.Adam):
         # Keras 3.15 does.
         super().__init__(*args, name=name, **kwargs)
         self.eps_root = eps_root
-
-
-def _recomputed(optimizer, m, v, variable, correction_1, correction_2, decay):
-    """A function computing LAMB's `u` again from `m`, `v` and `w`.
-
-    The same values as `LAMB.update_step`'s `u`; `abs` (v >= 0) only makes
-    the expression a different one, so that XLA does not share the two. The
-    scalars pass `apart` with `v`: on JAX, XLA would otherwise fold their
-    arithmetic into a broadcast and write it out as large as `v` before the
-    norm reads it (docs/guides/backends.md).
-    """
-    dtype = variable.dtype
-    m, v, weights = (ops.convert_to_tensor(x) for x in (m, v, variable))
-    scalars = [correction_1, correction_2] + [
-        ops.convert_to_tensor(x, dtype)
-        for x in (optimizer.epsilon, optimizer.eps_root, decay)
-    ]
-
-    def for_norm():
-        v_kept, c_1, c_2, epsilon, eps_root, wd = _trust.apart([v, *scalars])
-        m_hat = m / c_1
-        v_hat = ops.abs(v_kept) / c_2
-        update = m_hat / optimizer._denominator(v_hat, epsilon, eps_root)
-        return update if decay == 0.0 else update + wd * weights
-
-    return for_norm
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -230,21 +202,15 @@ class LAMB(TrustRatio):
 
         # Steps 3 to 5 (trust ratio, clip, update): T from |w| and |u|;
         # w <- w - lr * T * u.
-        for_norm = update
-        if (
-            self._recomputes
-            and self._recomputes_for_norms(update)
-            and not _trust.stacks(update)
-        ):
-            # Under XLA the norm computes u again from m, v and w, summed in
-            # the pass that reads them, instead of writing u out and reading
-            # it back (docs/guides/benchmarks.md): for models of at least
-            # `_trust.RECOMPUTED_FROM` parameters; a small u is copied into
-            # its shape's stack for the norm anyway.
-            for_norm = _recomputed(
-                self, m, v, variable, correction_1, correction_2, decay
-            )
+        for_norm = self._for_norm(
+            update, m, v, variable, correction_1, correction_2, decay
+        )
         self._take_step(index, variable, lr, update, learning_rate, for_norm)
+
+    def _for_norm(self, update, m, v, variable, correction_1, correction_2, decay):
+        """What the norm of step 3 (trust ratio) reads: `u` as computed (the
+        compiled backends' subclasses may compute it again, same values)."""
+        return update
 
     def _denominator(self, v_hat, epsilon, eps_root):
         """`sqrt(v_hat + eps_root) + epsilon` (`eps_root` added where the
@@ -259,14 +225,6 @@ class LAMB(TrustRatio):
                 denominator > 0, denominator, ops.ones_like(denominator)
             )
         return denominator
-
-    def build(self, variables):
-        """Builds Adam's slots; sizes the model for step 3 (trust ratio)."""
-        if self.built:
-            return
-        super().build(variables)
-        size = sum(math.prod(variable.shape) for variable in variables)
-        self._recomputes = size >= _trust.RECOMPUTED_FROM
 
     def _bias_corrections(self, dtype, learning_rate):
         """`(lr, 1 - b1**t, 1 - b2**t)` in `dtype` at Adam's step `t`

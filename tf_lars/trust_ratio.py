@@ -455,11 +455,6 @@ class TrustRatio(
         # not under tf.distribute).
         return True
 
-    def _recomputes_for_norms(self, direction):
-        # Portable: the norm reads the stored direction (the JAX and
-        # TensorFlow subclasses recompute it where a compiler sees the step).
-        return False
-
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Keras's `stateless_apply` (what the JAX trainer calls); refused on
         TensorFlow, as for every Keras optimizer there."""

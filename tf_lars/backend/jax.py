@@ -17,6 +17,7 @@ from keras import ops
 
 from tf_lars import lamb, lars
 from tf_lars.backend import like
+from tf_lars.backend._compiled import RecomputedNorm
 
 
 def apart(tensors):
@@ -35,7 +36,10 @@ class LARS(lars.LARS):
 
 
 @like(lamb.LAMB)
-class LAMB(lamb.LAMB):
+class LAMB(RecomputedNorm, lamb.LAMB):
+    def _apart(self, tensors):
+        return apart(tensors)
+
     def _recomputes_for_norms(self, direction):
         # Only where the compiler sees the whole step: op by op the
         # recomputation would be extra work.

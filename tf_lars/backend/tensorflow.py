@@ -34,6 +34,7 @@ from tf_lars import _internals, _trust, lamb, lars, trust_ratio
 from tf_lars._validation import check_gradient_shapes
 from tf_lars._wrapper import backing_variable, gradient_as_tensor
 from tf_lars.backend import like
+from tf_lars.backend._compiled import RecomputedNorm
 
 
 def is_sparse(gradient):
@@ -425,9 +426,6 @@ class _TrustRatioSteps(_Norms, CompiledApply):
     def _batches_trust_ratios(self):
         return not tf.distribute.has_strategy()
 
-    def _recomputes_for_norms(self, direction):
-        return _internals.in_xla_context()
-
     def update_step(self, gradient, variable, learning_rate):
         if not is_sparse(gradient):
             return super().update_step(gradient, variable, learning_rate)
@@ -444,7 +442,10 @@ class TrustRatio(_TrustRatioSteps, trust_ratio.TrustRatio):
 
 # `tf_lars.LAMB` on TensorFlow: also Adam's fused kernel and sparse rows.
 @like(lamb.LAMB)
-class LAMB(_TrustRatioSteps, lamb.LAMB):
+class LAMB(RecomputedNorm, _TrustRatioSteps, lamb.LAMB):
+    def _recomputes_for_norms(self, direction):
+        return _internals.in_xla_context()
+
     def update_step(self, gradient, variable, learning_rate):
         if is_sparse(gradient):
             return self._sparse_step(gradient, variable, learning_rate)
