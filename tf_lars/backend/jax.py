@@ -6,8 +6,9 @@ rules are the portable ones. Two overrides:
 
 1. LARS's "decayed" ratio takes the norm of `g + wd w` from `g`, `w` and
    `-wd` passed through `jax.lax.optimization_barrier` (`apart`), so that XLA
-   shares no term with step 4's `g + wd w` and sums the squares as it reads
-   `g` and `w`, instead of writing `g + wd w` out as large as the variable.
+   shares no term with the `g + wd w` of step 4 (momentum) and sums the
+   squares as it reads `g` and `w`, instead of writing `g + wd w` out as
+   large as the variable.
 2. LAMB's norm, when traced, computes the direction again from `m`, `v` and
    `w` (`_recomputes_for_norms`) instead of reading it back.
 """

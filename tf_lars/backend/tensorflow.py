@@ -371,8 +371,8 @@ class LARS(_Norms, CompiledApply, lars.LARS):
 
     def _decayed(self, gradient, variable, decay):
         # `g - (-wd) w` (the same values): an expression XLA does not share
-        # with step 4's `g + wd w`, so the norm sums it in its own pass
-        # instead of reading it back as large as the variable.
+        # with the `g + wd w` of step 4 (momentum), so the norm sums it in its
+        # own pass instead of reading it back as large as the variable.
         negated = tf.constant(-decay, gradient.dtype)
         return lambda: gradient - negated * variable
 
