@@ -168,7 +168,7 @@ def lamb_steps(shapes):
     stored = tf_lars.LAMB(1e-3, weight_decay=0.01)
     # The norm reads the stored direction, as outside `jit` (the row shows
     # what LAMB's recomputation for its norm saves).
-    bench.with_kernel(stored, "recomputes_for_norms", lambda direction: False)
+    bench.with_method(stored, "_recomputes_for_norms", lambda direction: False)
     return {
         "keras Adam": _keras_step(keras.optimizers.Adam(1e-3), shapes),
         "tf_lars LAMB (wd 0.01)": _keras_step(

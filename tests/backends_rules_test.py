@@ -936,3 +936,34 @@ def test_jax_bench_fit_model_trains_under_jit():
     assert int(model.optimizer.iterations) == 4
     ratios = np.asarray(model.optimizer.trust_ratios)
     assert np.all(np.isfinite(ratios)) and np.all(ratios > 0)
+
+
+@ONLY_JAX
+def test_jax_bench_builds_its_step_rows(monkeypatch):
+    # benchmarks/jax_bench.py's step and traffic rows, built (not timed):
+    # each row's optimizer as the bench makes it; the "stored" LAMB row's
+    # norm reads the stored direction even where a compiler sees the step.
+    import types
+
+    jax_bench = benchmark_scripts.load("jax_bench")
+    monkeypatch.setattr(jax_bench, "_keras_step", lambda optimizer, shapes: optimizer)
+    monkeypatch.setattr(jax_bench, "_optax_step", lambda transform, shapes: transform)
+    stub = types.SimpleNamespace(
+        lars=lambda *a, **k: "lars", lamb=lambda *a, **k: "lamb"
+    )
+    monkeypatch.setattr(jax_bench, "_optax", lambda: stub)
+    lars_rows = jax_bench.lars_steps([(2, 2)])
+    lamb_rows = jax_bench.lamb_steps([(2, 2)])
+    assert (
+        lars_rows["optax lars"] == "lars"
+        and lamb_rows["optax lamb (wd 0.01)"] == "lamb"
+    )
+    import jax
+
+    traced = []
+    for name in ("tf_lars LAMB (wd 0.01)", "tf_lars LAMB (wd 0.01, stored)"):
+        optimizer = lamb_rows[name]
+        jax.jit(lambda x, o=optimizer: traced.append(o._recomputes_for_norms(x)) or x)(
+            ops.ones((2,))
+        )
+    assert traced == [True, False]
