@@ -146,3 +146,24 @@ def test_torch_compile_never_hits_the_recompile_limit(name):
     result = compile_bench.measure_torch(name, 24, shapes=12)
     assert result["limit_warnings"] == 0, result
     assert result["recompiles"] == 0, result
+
+
+def test_another_backends_subclass_does_not_take_the_registered_name():
+    # Importing another backend's module (mkdocstrings, a test that imports
+    # every module) names its subclasses as the public class, but a saved
+    # "tf_lars>LARS" still loads the public class, which constructs the
+    # running backend's subclass.
+    from tf_lars import backend
+
+    other = backend.with_name_of(tf_lars.LARS, type("Other", (tf_lars.LARS,), {}))
+    assert keras.saving.get_registered_name(other) == "tf_lars>LARS"
+    assert keras.saving.get_custom_objects()["tf_lars>LARS"] is tf_lars.LARS
+    made = tf_lars.LARS(0.1)
+    again = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(made)
+    )
+    assert (
+        type(again)
+        is type(made)
+        is _backend_subclasses().get(tf_lars.LARS, tf_lars.LARS)
+    )

@@ -44,6 +44,11 @@ def with_name_of(public, cls):
     if registered != public.__name__:  # registered as "package>name"
         package, _, name = registered.partition(">")
         keras.saving.register_keras_serializable(package, name)(cls)
+        # `cls` serializes under that name, but the name still loads `public`,
+        # whose constructor picks the running backend's subclass: importing
+        # another backend's module (the docs build, a test importing every
+        # module) must not make saved files load as that backend's class.
+        keras.saving.get_custom_objects()[registered] = public
     return cls
 
 
