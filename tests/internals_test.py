@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import pkgutil
@@ -141,6 +142,10 @@ def _tf_lars_classes():
 
     for info in pkgutil.walk_packages(tf_lars.__path__, "tf_lars."):
         if info.name in FENCES:
+            continue
+        # A backend's subclasses only where that backend is installed.
+        backend = info.name.removeprefix("tf_lars.backend.")
+        if backend in ("jax", "tensorflow") and not importlib.util.find_spec(backend):
             continue
         module = importlib.import_module(info.name)
         for value in vars(module).values():
