@@ -191,10 +191,10 @@ class LAMB(TrustRatio):
         # m <- m + (1 - b1) (g - m);  v <- v + (1 - b2) (g**2 - v)
         self.assign_add(m, (gradient - m) * one_minus_1)
         self.assign_add(v, (ops.square(gradient) - v) * one_minus_2)
-        m_hat = m / correction_1  # m / (1 - b1**t)
-        v_hat = v / correction_2  # v / (1 - b2**t)
         # d = m_hat / (sqrt(v_hat + eps_root) + epsilon)
-        update = m_hat / self._denominator(v_hat, self.epsilon, self.eps_root)
+        update = self._direction(
+            m, v, correction_1, correction_2, self.epsilon, self.eps_root
+        )
 
         # Step 2 (decay): u = d + wd w.
         if decay != 0.0:
@@ -212,11 +212,14 @@ class LAMB(TrustRatio):
         compiled backends' subclasses may compute it again, same values)."""
         return update
 
-    def _denominator(self, v_hat, epsilon, eps_root):
-        """`sqrt(v_hat + eps_root) + epsilon` (`eps_root` added where the
-        setting is not 0). Where `epsilon` and `eps_root` are both 0, 1 in
-        place of 0: there `m = v = 0` (every gradient so far 0), and the
-        direction is 0, not NaN."""
+    def _direction(self, m, v, correction_1, correction_2, epsilon, eps_root):
+        """Adam's direction `d = m_hat / (sqrt(v_hat + eps_root) + epsilon)`
+        from the moments and their bias corrections (`eps_root` added where
+        the setting is not 0). Where `epsilon` and `eps_root` are both 0, 1
+        in place of a 0 denominator: there `m = v = 0` (every gradient so
+        far 0), and the direction is 0, not NaN."""
+        m_hat = m / correction_1  # m / (1 - b1**t)
+        v_hat = v / correction_2  # v / (1 - b2**t)
         if self.eps_root != 0.0:
             v_hat = v_hat + eps_root
         denominator = ops.sqrt(v_hat) + epsilon
@@ -224,7 +227,7 @@ class LAMB(TrustRatio):
             denominator = ops.where(
                 denominator > 0, denominator, ops.ones_like(denominator)
             )
-        return denominator
+        return m_hat / denominator
 
     def _bias_corrections(self, dtype, learning_rate):
         """`(lr, 1 - b1**t, 1 - b2**t)` in `dtype` at Adam's step `t`

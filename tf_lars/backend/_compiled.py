@@ -59,9 +59,7 @@ def _recomputed(optimizer, m, v, variable, correction_1, correction_2, decay):
 
     def for_norm():
         v_kept, c_1, c_2, epsilon, eps_root, wd = optimizer._apart([v, *scalars])
-        m_hat = m / c_1
-        v_hat = ops.abs(v_kept) / c_2
-        update = m_hat / optimizer._denominator(v_hat, epsilon, eps_root)
+        update = optimizer._direction(m, ops.abs(v_kept), c_1, c_2, epsilon, eps_root)
         return update if decay == 0.0 else update + wd * weights
 
     return for_norm

@@ -213,18 +213,16 @@ def fused_adam_scalars(optimizer, dtype, learning_rate):
     """`(scale, epsilon)` for `fused_adam_direction` in `dtype`: LAMB's
     `lr * m_hat / (sqrt(v_hat) + eps)` is `scale * m / (sqrt(v) + epsilon)`
     with `c1 = 1 - b1**t`, `c2 = 1 - b2**t`, `scale = lr sqrt(c2) / c1` and
-    `epsilon = eps sqrt(c2)`; computed once per step in float32 (float64 for
-    float64 variables)."""
-    adam = optimizer.inner_optimizer
-    scalar = _trust.compute_dtype(dtype)
+    `epsilon = eps sqrt(c2)`, from LAMB's `_bias_corrections`; once per
+    step."""
 
     def compute():
-        step = tf.cast(adam.iterations + 1, scalar)
-        power = lambda beta: tf.pow(tf.constant(beta, scalar), step)  # noqa: E731
-        root_2 = tf.sqrt(1 - power(adam.beta_2))
-        scale = tf.cast(learning_rate, scalar) / (1 - power(adam.beta_1)) * root_2
-        epsilon = tf.constant(adam.epsilon, scalar) * root_2
-        return tf.cast(scale, dtype), tf.cast(epsilon, dtype)
+        lr, correction_1, correction_2 = optimizer._bias_corrections(
+            dtype, learning_rate
+        )
+        root_2 = tf.sqrt(correction_2)
+        epsilon = tf.constant(optimizer.epsilon, dtype) * root_2
+        return lr / correction_1 * root_2, epsilon
 
     key = ("fused adam", tf.as_dtype(dtype).name, id(learning_rate))
     return optimizer._once_per_step(key, compute)
@@ -474,9 +472,9 @@ class LAMB(RecomputedNorm, _TrustRatioSteps, lamb.LAMB):
         lr, correction_1, correction_2 = self._bias_corrections(
             variable.dtype, learning_rate
         )
-        m_hat = m / correction_1
-        v_hat = v / correction_2
-        update = m_hat / self._denominator(v_hat, self.epsilon, self.eps_root)
+        update = self._direction(
+            m, v, correction_1, correction_2, self.epsilon, self.eps_root
+        )
         self.assign_sub(variable, lr * update)
 
 
