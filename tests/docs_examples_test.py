@@ -205,10 +205,16 @@ def results(request, tmp_path_factory):
     jobs = list(dict.fromkeys(selected))
     workers = int(os.environ.get("DOCS_EXAMPLES_JOBS", min(2, os.cpu_count() or 1)))
 
+    # The folders are made here, in one thread: two threads making the first
+    # folder of an xdist worker race on its base folder (FileExistsError).
+    folders = {
+        case: tmp_path_factory.mktemp(re.sub(r"\W+", "_", "_".join(case)))
+        for case in jobs
+    }
+
     def run(case):
         label, backend = case
-        name = re.sub(r"\W+", "_", f"{label}_{backend}")
-        return case, _run(_BODIES[label], backend, tmp_path_factory.mktemp(name))
+        return case, _run(_BODIES[label], backend, folders[case])
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return dict(pool.map(run, jobs))
