@@ -293,3 +293,24 @@ def test_mirrored_strategy_measures_the_replicas_batches():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MIRRORED NOISE SCALE OK" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices: TensorFlow")
+def test_sparse_gradients_measure_as_their_dense_form():
+    # Rows given twice are summed before squaring (an embedding's gradient).
+    import tensorflow as tf
+
+    values = [[[1.0, 2, 3], [1, 1, 1], [0, 1, 0]], [[2.0, 0, 1], [1, 0, 0], [3, 3, 3]]]
+    rows = [[0, 2, 0], [0, 4, 4]]
+    measured = []
+    for sparse in (True, False):
+        optimizer = noise_scale(batch_size=2, steps=2, beta=0.0)
+        variable = keras.Variable(np.zeros((5, 3), "float32"))
+        for value, row in zip(values, rows, strict=True):
+            gradient = tf.IndexedSlices(tf.constant(value), tf.constant(row), [5, 3])
+            optimizer.apply(
+                [gradient if sparse else tf.convert_to_tensor(gradient)], [variable]
+            )
+        measured.append((optimizer.gradient_norm_squared, optimizer.trace_covariance))
+    np.testing.assert_allclose(measured[0], measured[1], rtol=1e-6)
+    assert measured[0][0] != 0.0 and measured[0][1] != 0.0
