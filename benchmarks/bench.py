@@ -159,6 +159,14 @@ def make_optimizer(name):
             1e-3, weight_decay=0.01
         ),
         "tf_lars.LAMB(weight_decay=0)": lambda: tf_lars.LAMB(1e-3),
+        NOISE_SCALE_BASELINE: lambda: keras.optimizers.SGD(
+            0.1, momentum=0.9, gradient_accumulation_steps=NOISE_SCALE_STEPS
+        ),
+        NOISE_SCALE_ROW: lambda: tf_lars.GradientNoiseScale(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            batch_size=32,
+            gradient_accumulation_steps=NOISE_SCALE_STEPS,
+        ),
     }
     base = name.removesuffix(REFERENCE_NORMS).removesuffix(STORED_DIRECTION)
     optimizer = makers[base]()
@@ -451,6 +459,16 @@ FIT_CONTENDERS = (
 )
 
 
+# The `noise-scale` part: training steps with gradient accumulation, the same
+# SGD-momentum alone and inside `tf_lars.GradientNoiseScale` (what measuring
+# costs a step).
+NOISE_SCALE_STEPS = 4
+NOISE_SCALE_BASELINE = f"SGD(momentum=0.9), {NOISE_SCALE_STEPS} micro-batches"
+NOISE_SCALE_ROW = (
+    f"GradientNoiseScale(SGD(momentum=0.9)), {NOISE_SCALE_STEPS} micro-batches"
+)
+
+
 def _fit_model(model, size):
     import keras
 
@@ -535,6 +553,42 @@ def bench_fit(model, size, batch, steps, rounds, jit_compile):
     return samples
 
 
+def bench_noise_scale(model, size, batch, cycles):
+    """Training steps (`train_on_batch`, no XLA) with and without the wrapper.
+
+    Each model trains on the same random batches; one accumulation cycle
+    (`NOISE_SCALE_STEPS` steps, one update) of each in turn, so that machine
+    load hits both alike. Returns `{name: [seconds per step, one per cycle]}`.
+    """
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, size, size, 3)).astype("float32")
+    y = rng.integers(0, 10, size=batch)
+    models = {}
+    for name in (NOISE_SCALE_BASELINE, NOISE_SCALE_ROW):
+        keras.utils.set_random_seed(0)
+        network = _fit_model(model, size)
+        network.compile(
+            optimizer=make_optimizer(name),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
+        )
+        for _ in range(NOISE_SCALE_STEPS):  # traces the train step
+            network.train_on_batch(x, y)
+        models[name] = network
+    samples = {name: [] for name in models}
+    for _ in range(cycles):
+        for name, network in models.items():
+            start = time.perf_counter()
+            for _ in range(NOISE_SCALE_STEPS):
+                network.train_on_batch(x, y)
+            seconds = time.perf_counter() - start
+            samples[name].append(seconds / NOISE_SCALE_STEPS)
+    return samples
+
+
 def _seconds(value):
     """`(median, low, high)` from a row: a tuple, or one sequential median."""
     if isinstance(value, tuple):
@@ -591,9 +645,19 @@ def parse_arguments(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument(
         "--only",
-        choices=["dense", "adaptive", "no-xla", "eager", "sparse", "traffic", "fit"],
+        choices=[
+            "dense",
+            "adaptive",
+            "no-xla",
+            "eager",
+            "sparse",
+            "traffic",
+            "fit",
+            "noise-scale",
+        ],
         action="append",
-        help="run only these parts (repeatable); default: all but fit",
+        help="run only these parts (repeatable); default: all but fit and "
+        "noise-scale (which take the --fit-* options)",
     )
     parser.add_argument(
         "--model",
@@ -764,6 +828,23 @@ def main(argv=None):
                 rows,
                 args.fit_batch,
             )
+    if "noise-scale" in parts:
+        print(
+            f"\nnoise-scale: training steps, {args.fit_model} {args.fit_size}x"
+            f"{args.fit_size}, batch {args.fit_batch} ...",
+            flush=True,
+        )
+        rows = bench_noise_scale(
+            args.fit_model, args.fit_size, args.fit_batch, args.fit_rounds
+        )
+        _print_paired_table(
+            f"Training step (train_on_batch, jit_compile=False), {args.fit_model} "
+            f"{args.fit_size}x{args.fit_size}, batch {args.fit_batch}, "
+            f"{args.fit_rounds} interleaved cycles of {NOISE_SCALE_STEPS} steps; "
+            "ratio: median of cycle-by-cycle ratios",
+            rows,
+            ((NOISE_SCALE_BASELINE, (NOISE_SCALE_ROW,)),),
+        )
     return 0
 
 

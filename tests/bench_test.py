@@ -106,6 +106,8 @@ def test_bench_fit_mode_prints_throughput_rows(capsys):
         [
             "--only",
             "fit",
+            "--only",
+            "noise-scale",
             "--fit-model",
             "tiny",
             "--fit-size",
@@ -126,6 +128,12 @@ def test_bench_fit_mode_prints_throughput_rows(capsys):
             row,
             out,
         )
+    # The noise-scale part: its paired table, the baseline's ratio exactly 1.
+    assert "1 interleaved cycles of 4 steps" in out
+    baseline = re.escape(bench.NOISE_SCALE_BASELINE)
+    assert re.search(baseline + r"\s+\d+\.\d+\s+1\.00x\s+1\.00-1\.00", out), out
+    row = re.escape(bench.NOISE_SCALE_ROW) + r"\s+\d+\.\d+\s+\d+\.\d+x"
+    assert re.search(row, out), out
 
 
 def test_bench_no_xla_mode_prints_paired_rows(capsys):
