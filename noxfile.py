@@ -36,6 +36,7 @@ MATRIX_TESTS = [
     "tests/agn_test.py",
     "tests/agn_outer_test.py",
     "tests/diloco_test.py",
+    "tests/noise_scale_test.py",
     "tests/internals_test.py",
     "tests/saved_across_versions_test.py",
     "tests/distribute_multi_worker_test.py",
