@@ -149,7 +149,7 @@ PARTS = {
         "cli_lowcomm",
         "cli_plots",
         "cli_safety",
-        "cli_sweep_hostile",
+        "cli_study",
         "cli",
     ],
     "project": [

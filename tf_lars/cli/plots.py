@@ -202,3 +202,66 @@ def plot_communication(rows, path):
     axes.legend(fontsize=7, ncol=2)
     axes.grid(alpha=0.3)
     _save(figure, path)
+
+
+def plot_steps_to_result(rows, fits, path):
+    """Steps to the target against batch size, log-log, per optimizer: the
+    reruns' mean with its interval, the fit S_min + E_min/B, perfect scaling
+    from the smallest batch (dotted) and B_crit (a vertical line)."""
+    figure, axes = plt.subplots(figsize=(7, 5))
+    for index, (label, fit) in enumerate(fits.items()):
+        color = f"C{index}"
+        mine = [r for r in rows if r["optimizer"] == label]
+        if not mine:
+            continue
+        batches = np.array([r["batch_size"] for r in mine], float)
+        steps = np.array([r["steps"] for r in mine])
+        low, high = np.array([r["steps_interval"] for r in mine]).T
+        reached = np.array([r["reached"] for r in mine])
+        axes.errorbar(
+            batches, steps, yerr=[steps - low, high - steps], fmt="o", color=color,
+            label=label, capsize=3,
+        )  # fmt: skip
+        if (~reached).any():
+            axes.plot(batches[~reached], steps[~reached], "x", color="red", ms=10)
+        axes.plot(batches, steps[0] * batches[0] / batches, ":", color=color)
+        if math.isfinite(fit["s_min"]):
+            grid = np.geomspace(batches.min(), batches.max(), 100)
+            axes.plot(grid, fit["s_min"] + fit["e_min"] / grid, "-", color=color)
+            if math.isfinite(fit["b_crit"]) and fit["b_crit"] > 0:
+                axes.axvline(fit["b_crit"], color=color, ls="--", alpha=0.5)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("batch size")
+    axes.set_ylabel("steps to the target")
+    axes.set_title(
+        "Steps to result: mean of reruns (bars: interval; red x: not reached);\n"
+        "line: S_min + E_min/B, dotted: perfect scaling, dashed: B_crit",
+        fontsize=9,
+    )
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3, which="both")
+    _save(figure, path)
+
+
+def plot_selected_curves(rows, target, metric, path):
+    """The selected trial's validation curve of every unit: one panel per
+    optimizer, one line per batch size, the target dashed."""
+    labels = list(dict.fromkeys(r["optimizer"] for r in rows)) or ["(none)"]
+    figure, panels = plt.subplots(
+        1, len(labels), figsize=(4 * len(labels), 3.6), squeeze=False, sharey=True
+    )
+    for axes, label in zip(panels[0], labels, strict=True):
+        for row in (r for r in rows if r["optimizer"] == label):
+            curve = np.asarray(row["curve"], float).reshape(-1, 2)
+            axes.plot(curve[:, 0], curve[:, 1], label=f"B={row['batch_size']}")
+        axes.axhline(target, color="black", ls="--", lw=1)
+        axes.set_xscale("log")
+        axes.set_xlabel("step")
+        axes.set_title(label)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    panels[0][0].set_ylabel(metric)
+    if metric == "expected loss":
+        panels[0][0].set_yscale("log")
+    _save(figure, path)
