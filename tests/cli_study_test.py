@@ -1,6 +1,16 @@
 """`tf-lars study`: known answers (the noisy quadratic model in closed form,
 the S(B) fit, the bootstrap), the shared training function, resuming,
-sharing one storage between processes, Ctrl-C, and the removed `sweep`."""
+sharing one storage between processes, Ctrl-C, and the removed `sweep`.
+
+What the removed `sweep` tests checked is here now: its config errors
+(tests/cli_test.py BAD_SWEEP) in test_bad_config_is_one_line; its end to end
+run in two processes in test_nqm_study_matches_the_closed_form_at_every_batch_size
+and test_two_processes_share_one_study; its Ctrl-C tests (tests/cli_safety_test.py)
+in test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes and
+test_a_rerun_resumes_the_study; its default plan in test_default_study. Its
+killed-worker test (tests/cli_sweep_hostile_test.py) has no successor: a
+study's killed worker leaves its trial RUNNING until Optuna's heartbeat fails
+it (2 minutes), then the slot runs again."""
 
 import json
 import os
@@ -99,6 +109,17 @@ def test_bootstrap_interval_contains_the_truth():
     assert 0.84 <= covered / 200 <= 0.96  # nominal 90%
 
 
+def test_default_study():
+    config = load_config("study")
+    assert config["workload"] == "mnist1d"
+    labels = [entry["label"] for entry in config["optimizers"]]
+    assert labels == ["Nesterov", "AdamW", "LARS", "LAMB"]
+    assert len(config["study"]["batch_sizes"]) >= 6
+    assert (config["study"]["trials"], config["study"]["seeds"]) == (16, 3)
+    assert config["study"]["storage"] is None
+    assert [u[1] for u in study.units(config)][:4] == [16] * 4
+
+
 def test_sweep_is_gone_and_names_study(run_cli, one_line_error):
     code, _, err = run_cli("sweep", "--set", "training.epochs=1")
     assert "tf-lars study" in one_line_error(code, err, "sweep")
@@ -126,6 +147,12 @@ def test_sweep_is_gone_and_names_study(run_cli, one_line_error):
         ),  # fmt: skip
         (["--set", "study.trials=0"], "`study.trials` must be an int >= 1"),
         (["--set", "study.target=1.5"], "must be at most 1"),
+        (["--set", "optimizers.0.label=AdamW"], "`optimizers.*.label` must be unique"),
+        (["--set", "study.batch_size=32"], "Unknown config key `study.batch_size`"),
+        (
+            ["--set", "optimizers.4.label=x"],
+            "`optimizers.4` is not an index into a list of 4",
+        ),
     ],
 )
 def test_bad_config_is_one_line(argv, expected, tmp_path, run_cli, one_line_error):
@@ -166,3 +193,121 @@ def test_a_rerun_resumes_the_study(tmp_path, run_cli, monkeypatch):
         counts.append(states.count("COMPLETE"))
         assert states.count("FAIL") <= 1  # the one interrupted
     assert sorted(counts) == [3, 3, 16, 16]
+
+
+def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
+    """One training function: a trial's config given to `tf-lars train`
+    gives the same losses, epoch by epoch."""
+    import yaml
+
+    from tf_lars.cli import preflight
+
+    overrides = ["workload=data", "model.width=8", "study.max_epochs=2",
+                 "study.target=1.0"]  # fmt: skip
+    config = load_config("study", overrides=overrides)
+    data, validation = preflight.study_data(config)
+    entry = config["optimizers"][2]  # LARS
+    params = {"learning_rate": 2.0, "one_minus_momentum": 0.1, "warmup_share": 0.1,
+              "weight_decay": 1e-4}  # fmt: skip
+    result = study.run_trial(config, data, validation, entry, 64, params, seed=3)
+    assert result["steps"] is None and len(result["curve"]) >= 2
+    npz = tmp_path / "split.npz"
+    np.savez(npz, x_train=data.x_train, y_train=data.y_train,
+             x_test=validation[0], y_test=validation[1])  # fmt: skip
+    train = study.trial_config(config, entry, 64, params, seed=3)
+    train.update(output_dir=str(tmp_path), run_name="t")
+    train["data"] = {**train["data"], "path": str(npz)}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(train))
+    code, _, err = run_cli("train", "--config", str(tmp_path / "train.yaml"))
+    assert code == 0, err
+    history = json.loads((tmp_path / "t" / "history.json").read_text())
+    assert history["loss"] == result["train_loss"]
+
+
+def _command(tmp_path, name, *more):
+    return [sys.executable, "-m", "tf_lars.cli", *_quick(tmp_path, name), *SGD_ONLY,
+            "--set", "study.batch_sizes=[8, 32, 128]", *more]  # fmt: skip
+
+
+def _environment():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "PYTHONPATH": root}
+
+
+def _trial_states(url):
+    import optuna
+
+    storage = study.open_storage(url)
+    states = {}
+    for summary in optuna.get_all_study_summaries(storage):
+        trials = optuna.load_study(
+            study_name=summary.study_name, storage=storage
+        ).trials
+        states[summary.study_name] = [t.state.name for t in trials]
+    return states
+
+
+def test_two_processes_share_one_study(tmp_path):
+    """Two `tf-lars study` processes on one SQLite storage: every budget is
+    met exactly, no trial is lost or run twice, and both report it whole."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+    processes = [
+        subprocess.Popen(_command(tmp_path, name, "--set", f"study.storage={url}"),
+                         env=_environment(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for name in ("a", "b")
+    ]  # fmt: skip
+    for process in processes:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+    states = _trial_states(url)
+    assert len(states) == 6
+    for name, seen in states.items():
+        assert seen.count("COMPLETE") == (16 if "tuning" in name else 3), name
+        assert "FAIL" not in seen and "RUNNING" not in seen, name
+    seeds = {}
+    import optuna
+
+    for name in states:
+        if "reruns" in name:
+            done = optuna.load_study(study_name=name, storage=study.open_storage(url))
+            complete = [
+                t.user_attrs["seed"] for t in done.trials if t.state.name == "COMPLETE"
+            ]  # noqa: E501
+            seeds[name] = sorted(complete)
+    assert all(found == [1, 2, 3] for found in seeds.values()), seeds
+    rows = [_results(tmp_path / name)["rows"] for name in ("a", "b")]
+    assert rows[0] == rows[1] and len(rows[0]) == 3
+
+
+def test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes(tmp_path):
+    command = _command(tmp_path, "c", "--set", "study.workers=2")
+    process = subprocess.Popen(command, env=_environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    url = f"sqlite:///{tmp_path}/c/study.db"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if os.path.exists(tmp_path / "c" / "study.db"):
+            done = sum(s.count("COMPLETE") for s in _trial_states(url).values())
+            if done >= 10:
+                break
+    os.killpg(process.pid, signal.SIGINT)  # the terminal's Ctrl-C: the group
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert "resumes" in err.splitlines()[-1], err
+    kept = _trial_states(url)
+    finished = sum(s.count("COMPLETE") for s in kept.values())
+    assert finished >= 10
+    assert not any("RUNNING" in s for s in kept.values()), kept
+    result = subprocess.run(command, env=_environment(), capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    after = _trial_states(url)
+    for name, seen in after.items():
+        assert seen.count("COMPLETE") == (16 if "tuning" in name else 3), name
+        # The finished trials were kept, not run again.
+        assert seen[: len(kept.get(name, []))].count("COMPLETE") == kept.get(
+            name, []
+        ).count("COMPLETE")  # noqa: E501

@@ -11,7 +11,7 @@ the fewest steps is rerun on `study.seeds` new seeds, the first of which
 evaluates the test set, once. Then, per optimizer, the mean steps with a
 bootstrap interval per batch size, the fit `S(B) = S_min + E_min / B`
 (McCandlish et al. 2018) with `B_crit = E_min / S_min`, the largest batch
-within 20% of perfect scaling (Zhang et al. 2024), and the gradient noise
+within `SCALING_SLACK` of perfect scaling (Zhang et al. 2024), and the gradient noise
 scale `B_simple` of the reruns beside `B_crit`.
 
 Every trial lives in an Optuna storage (a SQLite file in the run folder, or
@@ -23,7 +23,6 @@ unit's budget is strict (`_claimed`), whichever process asks.
 """
 
 import concurrent.futures
-import copy
 import csv
 import hashlib
 import io
@@ -110,7 +109,8 @@ def _momentum_key(entry):
 def _suggest(trial, config, entry):
     """The trial's hyperparameters: `{name: value}` of the search space."""
     search = config["search"]
-    params = {"learning_rate": trial.suggest_float("learning_rate", *entry["learning_rate"], log=True)}  # fmt: skip
+    rate = trial.suggest_float("learning_rate", *entry["learning_rate"], log=True)
+    params = {"learning_rate": rate}
     for name, log in (
         ("one_minus_momentum", True),
         ("warmup_share", False),
@@ -152,7 +152,9 @@ def run_trial(config, data, validation, entry, batch, params, seed, test=False):
         result = _nqm_trial(config, entry, batch, params)
         result["test"] = result["curve"][-1][1] if test else None
     else:
-        result = _neural_trial(config, data, validation, entry, batch, params, seed, test)  # fmt: skip
+        result = _neural_trial(
+            config, data, validation, entry, batch, params, seed, test
+        )
     result["seconds"] = time.perf_counter() - started
     return result
 
@@ -308,7 +310,8 @@ def _objective(config, entry, batch, budget, rerun):
         test = bool(trial.user_attrs.get("test"))
         result = run_trial(config, data, validation, entry, batch, params, seed, test)
         every = max(1, len(result["curve"]) // 200)  # at most ~200 points kept
-        result["curve"] = [list(p) for p in result["curve"][::every]] + [list(result["curve"][-1])]  # fmt: skip
+        curve = result["curve"]
+        result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
         trial.set_user_attr("result", result)  # one write
         return _value(config, result)
 
@@ -500,7 +503,9 @@ def summarize(config, storage):
     for entry, batch in units(config):
         names = [_name(config, entry, batch, part) for part in ("tuning", "reruns")]
         try:
-            tuning, reruns = (optuna.load_study(study_name=n, storage=storage) for n in names)  # fmt: skip
+            tuning, reruns = (
+                optuna.load_study(study_name=name, storage=storage) for name in names
+            )
         except KeyError:
             continue
         trials, seeds = _complete(tuning, study["trials"]), {}
@@ -509,30 +514,28 @@ def summarize(config, storage):
         if len(trials) < study["trials"] or len(seeds) < study["seeds"]:
             continue
         best = min(trials, key=lambda t: (t.value, t.number))
-        runs = [seeds[s] for s in sorted(seeds)][: study["seeds"]]
-        steps = [
-            r.user_attrs["result"]["steps"] or r.user_attrs["result"]["cap"]
-            for r in runs
-        ]
-        noise = [
-            r.user_attrs["result"]["b_simple"]
-            for r in runs
-            if r.user_attrs["result"]["b_simple"]
-        ]
+        runs = [seeds[s].user_attrs["result"] for s in sorted(seeds)][: study["seeds"]]
+        chosen, tried = (
+            best.user_attrs["result"],
+            [t.user_attrs["result"] for t in trials],
+        )
+        steps = [r["steps"] or r["cap"] for r in runs]
+        noise = [r["b_simple"] for r in runs if r["b_simple"]]
+        interval = bootstrap_interval(steps, study["confidence"], study["resamples"])
         rows.append({
             "optimizer": entry["label"], "batch_size": batch, "trials": len(trials),
-            "trials_reached": sum(t.user_attrs["result"]["steps"] is not None for t in trials),
+            "trials_reached": sum(r["steps"] is not None for r in tried),
             "selected_trial": best.number, "params": best.params,
-            "tuning_steps": best.user_attrs["result"]["steps"], "cap": best.user_attrs["result"]["cap"],
-            "seed_steps": [r.user_attrs["result"]["steps"] for r in runs],
-            "steps": float(np.mean(steps)),
-            "steps_interval": bootstrap_interval(steps, study["confidence"], study["resamples"]),  # noqa: E501
-            "reached": all(r.user_attrs["result"]["steps"] is not None for r in runs),
-            "test": runs[0].user_attrs["result"]["test"],
+            "tuning_steps": chosen["steps"], "cap": chosen["cap"],
+            "seed_steps": [r["steps"] for r in runs], "steps": float(np.mean(steps)),
+            "steps_interval": interval,
+            "reached": all(r["steps"] is not None for r in runs),
+            "test": runs[0]["test"],
             "b_simple": float(np.mean(noise)) if noise else None,
-            "curve": best.user_attrs["result"]["curve"],
+            "curve": chosen["curve"],
         })  # fmt: skip
-    fits = {e["label"]: _fit(config, [r for r in rows if r["optimizer"] == e["label"]]) for e in config["optimizers"]}  # fmt: skip
+    labels = [entry["label"] for entry in config["optimizers"]]
+    fits = {x: _fit(config, [r for r in rows if r["optimizer"] == x]) for x in labels}
     return rows, fits
 
 
@@ -625,19 +628,24 @@ def report(config, rows, fits, url, wall):
     ]  # fmt: skip
     for r in rows:
         params = ", ".join(f"{k}={v:.3g}" for k, v in r["params"].items())
-        lines.append(
-            f"| {r['optimizer']} | {r['batch_size']} | {_number(r['steps'], 4)} | {_interval(r['steps_interval'])} | {sum(s is not None for s in r['seed_steps'])}/{len(r['seed_steps'])} | {r['trials_reached']}/{r['trials']} | {_number(r['test'], 4)} | {_number(r['b_simple'])} | {params} |"
-        )  # noqa: E501
-    lines += [
-        "",
-        "| optimizer | S_min | E_min | B_crit | critical batch (20%) | B_simple (median) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]  # noqa: E501
-    for label, f in fits.items():
-        lines.append(
-            f"| {label} | {_number(f['s_min'])} {_interval(f['s_min_interval'])} | {_number(f['e_min'])} {_interval(f['e_min_interval'])} | {_number(f['b_crit'])} {_interval(f['b_crit_interval'])} | {_number(f['critical_batch'])} {_interval(f['critical_batch_interval'])} | {_number(f['b_simple'])} |"
-        )  # noqa: E501
+        reached = sum(s is not None for s in r["seed_steps"])
+        cells = [r["optimizer"], r["batch_size"], _number(r["steps"], 4),
+                 _interval(r["steps_interval"]), f"{reached}/{len(r['seed_steps'])}",
+                 f"{r['trials_reached']}/{r['trials']}", _number(r["test"], 4),
+                 _number(r["b_simple"]), params]  # fmt: skip
+        lines.append(_row(cells))
+    names = ("s_min", "e_min", "b_crit", "critical_batch")
+    lines += ["", _row(["optimizer", "S_min", "E_min", "B_crit",
+                        "critical batch (20%)", "B_simple (median)"]),
+              _row(["---"] * 6)]  # fmt: skip
+    for label, fit in fits.items():
+        cells = [f"{_number(fit[n])} {_interval(fit[f'{n}_interval'])}" for n in names]
+        lines.append(_row([label, *cells, _number(fit["b_simple"])]))
     return "\n".join(lines) + "\n"
+
+
+def _row(cells):
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
 def _metric(config):
@@ -742,6 +750,7 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
     _write_results(folder, config, rows, fits, url, wall)
     out(report(config, rows, fits, url, wall))
     out(
-        f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, curves.png, config.yaml)"
+        f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, "
+        "curves.png, config.yaml)"
     )  # noqa: E501
     return 0
