@@ -111,7 +111,7 @@ def _removed_command(argv):
         return _error(
             "sweep",
             "`tf-lars sweep` was removed; use `tf-lars study` (steps to a target "
-            "against batch size, each optimizer tuned by Optuna: tf-lars study --help)",
+            "against batch size, each optimizer tuned by Optuna; its --help says more)",
         )
     return None
 

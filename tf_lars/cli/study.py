@@ -40,6 +40,7 @@ from tf_lars.cli import nqm, preflight
 from tf_lars.cli.config import dump_config
 
 _CONTEXT = {}  # a worker's config, data, validation split and storage URL
+_STOP = []  # the signal the parent sent this worker, once it came
 _NOT_HASHED = ("output_dir", "run_name")
 _NOT_HASHED_STUDY = ("storage", "workers", "confidence", "resamples")
 SCALING_SLACK = 1.2  # Zhang et al. 2024: 20% above perfect scaling
@@ -76,15 +77,24 @@ def open_storage(url):
 
     sqlite = url.startswith("sqlite")
     engine = {"connect_args": {"timeout": 60}} if sqlite else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = optuna.storages.RDBStorage(
-            url, engine_kwargs=engine, heartbeat_interval=30, grace_period=120
-        )
+    import sqlalchemy
+
+    for attempt in range(10):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(
+                    url, engine_kwargs=engine, heartbeat_interval=30, grace_period=120
+                )
+            break
+        except sqlalchemy.exc.SQLAlchemyError:
+            # Two processes creating one new storage's tables: one wins.
+            if attempt == 9:
+                raise
+            time.sleep(0.2 * (attempt + 1))
     if sqlite:
         # Write-ahead logging: a commit appends to the log without waiting for
         # the disk (6 ms each otherwise, dozens per trial), still atomic.
-        import sqlalchemy
 
         def pragmas(connection, _):
             connection.execute("PRAGMA journal_mode=WAL")
@@ -243,6 +253,7 @@ def _steps_to_target(validation, target, every, limit):
         steps, curve, step = None, [], 0
 
         def on_train_batch_end(self, batch, logs=None):
+            _stop_point()
             self.step += 1
             if self.step % every and self.step != limit:
                 return
@@ -254,6 +265,18 @@ def _steps_to_target(validation, target, every, limit):
                 self.model.stop_training = True
 
     return StepsToTarget()
+
+
+def _stop_point():
+    """Raises a pending stop here, where no trial is half recorded: a
+    signal raised while Optuna writes to its storage would leave a trial
+    RUNNING. In a worker, the parent's SIGTERM; in the command's own
+    process, a Ctrl-C or SIGTERM held back by `tf_lars.cli.main.deferred`."""
+    if _STOP:
+        raise KeyboardInterrupt("stopped by the parent")
+    from tf_lars.cli.main import raise_pending
+
+    raise_pending()
 
 
 def _value(config, result):
@@ -300,6 +323,7 @@ def _objective(config, entry, batch, budget, rerun):
     import optuna
 
     def objective(trial):
+        _stop_point()  # inside the trial: Optuna records it as failed
         study, seed = trial.study, trial.user_attrs.get("seed")
         if (rerun and seed is None) or not _claimed(study, trial, budget, seed):
             study.stop()  # the budget is spent (or running elsewhere)
@@ -363,19 +387,24 @@ def _work(offset, progress=None):
     config = _CONTEXT["config"]
     storage, todo = open_storage(_CONTEXT["url"]), units(config)
     todo = todo[offset:] + todo[:offset]
-    progress = progress or (lambda study, trial: None)
+    reported = progress or (lambda study, trial: None)
+
+    def progress(study, trial):
+        reported(study, trial)
+        _stop_point()  # between trials
+
     while todo:
         todo = [u for u in todo if not _advance(storage, config, *u, progress)]
         if todo:
             time.sleep(1.0)  # their trials run in other workers
+            _stop_point()
     return offset
 
 
 def _init_worker(config, data, validation, url, threads):
     _CONTEXT.update(config=config, data=data, validation=validation, url=url)
-    # The parent stops a worker with SIGTERM: raised as KeyboardInterrupt,
-    # Optuna then records the running trial as failed (run again later).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # The parent stops a worker with SIGTERM, raised at the next stop point.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.append(signum))
     if config["workload"] != "nqm":
         from tf_lars.cli import import_tensorflow, quiet_python_logs
 
@@ -420,8 +449,11 @@ def execute(config, data, validation, url, workers):
                 last[0] = time.perf_counter()
 
         if workers == 1:
-            _init_worker(config, data, validation, url, 0)
-            _work(0, refresh)
+            from tf_lars.cli.main import deferred
+
+            _CONTEXT.update(config=config, data=data, validation=validation, url=url)
+            with deferred():
+                _work(0, refresh)
         else:
             _run_workers(config, data, validation, url, workers, refresh)
         refresh(every=0)
@@ -449,11 +481,11 @@ def _run_workers(config, data, validation, url, workers, refresh):
         for future in futures:
             future.result()  # a worker's error, raised here
     except BaseException:
-        for process in processes:  # each records its running trial as failed
+        for process in processes:  # each stops at its next stop point
             if process.exitcode is None:
                 os.kill(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.join(30)
+        _, running = concurrent.futures.wait(futures, timeout=60)
+        for process in processes if running else ():
             if process.exitcode is None:
                 process.kill()
         raise
