@@ -202,7 +202,7 @@ def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
 
     from tf_lars.cli import preflight
 
-    overrides = ["workload=data", "model.width=8", "study.max_epochs=2",
+    overrides = ["workload=data", "model.width=8", "study.max_steps=40",
                  "study.target=1.0"]  # fmt: skip
     config = load_config("study", overrides=overrides)
     data, validation = preflight.study_data(config)
@@ -214,7 +214,7 @@ def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
     npz = tmp_path / "split.npz"
     np.savez(npz, x_train=data.x_train, y_train=data.y_train,
              x_test=validation[0], y_test=validation[1])  # fmt: skip
-    train = study.trial_config(config, entry, 64, params, seed=3)
+    train = study.trial_config(config, entry, 64, params, 3, len(data.x_train))
     train.update(output_dir=str(tmp_path), run_name="t")
     train["data"] = {**train["data"], "path": str(npz)}
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(train))

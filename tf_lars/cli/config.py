@@ -403,7 +403,7 @@ class Study(_Block):
     trials: _int(1)
     seeds: _int(1)
     target: _POSITIVE
-    max_epochs: _int(1)
+    max_steps: _int(1)
     eval_every: _int(1)
     schedule: Literal["linear_decay", "constant"]
     storage: pydantic.StrictStr | None

@@ -1,25 +1,18 @@
 """`tf-lars study`: steps to a target against batch size, per optimizer, on Optuna.
 
-The protocol (Shallue et al. 2019, arXiv 1811.03600; Nado et al. 2021): for
-every optimizer and batch size (a *unit*), `study.trials` quasi-random trials
-(`optuna.samplers.QMCSampler`, scrambled Sobol) of the same kinds of
-hyperparameters (learning rate and 1 - momentum log-uniform, warm-up share,
-weight decay), each trained until its validation metric reaches
-`study.target` or the step cap; its value is the steps taken (a trial that
-never reaches the target ranks after every one that does). The trial with
-the fewest steps is rerun on `study.seeds` new seeds, the first of which
-evaluates the test set, once. Then, per optimizer, the mean steps with a
-bootstrap interval per batch size, the fit `S(B) = S_min + E_min / B`
-(McCandlish et al. 2018) with `B_crit = E_min / S_min`, the largest batch
-within `SCALING_SLACK` of perfect scaling (Zhang et al. 2024), and the gradient noise
-scale `B_simple` of the reruns beside `B_crit`.
+The protocol (Shallue et al. 2019, arXiv 1811.03600; Nado et al. 2021) is in
+`REPORT` and docs/guides/cli.md: per optimizer and batch size (a *unit*),
+`study.trials` quasi-random trials (`optuna.samplers.QMCSampler`), each trained
+until its validation metric reaches `study.target` or the step cap; the fewest
+steps' trial rerun on `study.seeds` seeds (the first evaluates the test set);
+then per optimizer `S(B) = S_min + E_min / B` (McCandlish et al. 2018), `B_crit`,
+the largest batch within `SCALING_SLACK` of perfect scaling (Zhang et al. 2024)
+and the reruns' gradient noise scale `B_simple`.
 
-Every trial lives in an Optuna storage (a SQLite file in the run folder, or
-`study.storage`): a unit is two Optuna studies (tuning and reruns), named
-with a hash of the config, so a rerun of the same config resumes where it
-stopped and several processes given one storage share the work. Worker
-processes each run many trials (one TensorFlow start per process); a
-unit's budget is strict (`_claimed`), whichever process asks.
+A unit is two Optuna studies (tuning and reruns) in one storage, named with a
+hash of the config: a rerun resumes, several processes share the work, and a
+unit's budget holds whichever process asks (`_claimed`). Worker processes
+each run many trials (one TensorFlow start per process).
 """
 
 import concurrent.futures
@@ -36,7 +29,7 @@ import warnings
 
 import numpy as np
 
-from tf_lars.cli import nqm, preflight
+from tf_lars.cli import STARTED, nqm, preflight
 from tf_lars.cli.config import dump_config
 
 _CONTEXT = {}  # a worker's config, data, validation split and storage URL
@@ -66,35 +59,27 @@ def _name(config, entry, batch, part):
     return f"{entry['label']} B={batch} {part} [{study_key(config)}]"
 
 
-def storage_url(config, folder):
-    return config["study"]["storage"] or f"sqlite:///{folder}/study.db"
-
-
 def open_storage(url):
     """Optuna's RDB storage; a trial whose process died is failed after
     its heartbeat stops (2 min), and its slot run again."""
     import optuna
-
-    sqlite = url.startswith("sqlite")
-    engine = {"connect_args": {"timeout": 60}} if sqlite else {}
     import sqlalchemy
 
+    sqlite = url.startswith("sqlite")
     for attempt in range(10):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 storage = optuna.storages.RDBStorage(
-                    url, engine_kwargs=engine, heartbeat_interval=30, grace_period=120
-                )
+                    url, heartbeat_interval=30, grace_period=120,
+                    engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {},
+                )  # fmt: skip
             break
         except sqlalchemy.exc.SQLAlchemyError:
-            # Two processes creating one new storage's tables: one wins.
-            if attempt == 9:
+            if attempt == 9:  # two processes creating one storage: one wins
                 raise
             time.sleep(0.2 * (attempt + 1))
-    if sqlite:
-        # Write-ahead logging: a commit appends to the log without waiting for
-        # the disk (6 ms each otherwise, dozens per trial), still atomic.
+    if sqlite:  # write-ahead logging: a commit need not wait for the disk
 
         def pragmas(connection, _):
             connection.execute("PRAGMA journal_mode=WAL")
@@ -106,58 +91,55 @@ def open_storage(url):
 
 
 # ------------------------------------------------------------------ trials
-def _momentum_key(entry):
-    """The optimizer's momentum argument: beta_1 (Adam-like) or momentum."""
-    if entry["optimizer"]["class_name"] in ("SGD", "LARS"):
-        return "momentum"
-    from tf_lars.cli.config import constructor_parameters, optimizer_spec
-
-    names = constructor_parameters(optimizer_spec(entry["optimizer"]).cls)
-    return "beta_1" if "beta_1" in names else "momentum"
-
-
 def _suggest(trial, config, entry):
     """The trial's hyperparameters: `{name: value}` of the search space."""
-    search = config["search"]
     rate = trial.suggest_float("learning_rate", *entry["learning_rate"], log=True)
     params = {"learning_rate": rate}
-    for name, log in (
-        ("one_minus_momentum", True),
-        ("warmup_share", False),
-        ("weight_decay", True),
-    ):
-        if search[name] is not None:
-            params[name] = trial.suggest_float(name, *search[name], log=log)
+    for name in ("one_minus_momentum", "warmup_share", "weight_decay"):
+        if config["search"][name] is not None:
+            log = name != "warmup_share"
+            params[name] = trial.suggest_float(name, *config["search"][name], log=log)
     return params
 
 
 def optimizer_arguments(entry, params):
-    """The optimizer block's config with the trial's hyperparameters in it."""
+    """The optimizer block's config with the trial's hyperparameters in it:
+    1 - momentum becomes `beta_1` (Adam-like) or `momentum`."""
+    from tf_lars.cli.config import constructor_parameters, optimizer_spec
+
     arguments = dict(entry["optimizer"]["config"])
     arguments["learning_rate"] = params["learning_rate"]
     if "one_minus_momentum" in params:
-        arguments[_momentum_key(entry)] = 1.0 - params["one_minus_momentum"]
+        key = "momentum"  # SGD and LARS known without Keras (the NQM has none)
+        if entry["optimizer"]["class_name"] not in ("SGD", "LARS"):
+            names = constructor_parameters(optimizer_spec(entry["optimizer"]).cls)
+            key = "beta_1" if "beta_1" in names else key
+        arguments[key] = 1.0 - params["one_minus_momentum"]
     if "weight_decay" in params:
         arguments["weight_decay"] = params["weight_decay"]
     return arguments
 
 
 def cap(config, batch, num_train):
-    """The step cap of a trial at `batch`."""
+    """The step cap of a trial at `batch`: `study.max_steps` (NQM:
+    `nqm.max_steps`), rounded to whole epochs (at least one), so a trial
+    that never reaches the target trains as `tf-lars train` would."""
     if config["workload"] == "nqm":
         return config["nqm"]["max_steps"]
-    return config["study"]["max_epochs"] * (num_train // batch)
+    per_epoch = num_train // batch
+    return max(1, round(config["study"]["max_steps"] / per_epoch)) * per_epoch
 
 
 def run_trial(config, data, validation, entry, batch, params, seed, test=False):
     """Trains one configuration until the target or the cap.
 
-    Returns `{"steps", "cap", "curve", "b_simple", "test", "seconds"}`:
+    Returns `{"steps", "cap", "curve", "b_simple", "test", "seconds",
+    "cpu_seconds"}`:
     the first evaluated step that reached the target (None: not reached),
     the validation metric every `eval_every` steps, the gradient noise scale
     at the end, and the test metric when `test` (else None).
     """
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     if config["workload"] == "nqm":
         result = _nqm_trial(config, entry, batch, params)
         result["test"] = result["curve"][-1][1] if test else None
@@ -165,7 +147,10 @@ def run_trial(config, data, validation, entry, batch, params, seed, test=False):
         result = _neural_trial(
             config, data, validation, entry, batch, params, seed, test
         )
+    # A worker runs one trial at a time: its CPU time is the trial's, what
+    # the trial would take alone on an idle core.
     result["seconds"] = time.perf_counter() - started
+    result["cpu_seconds"] = time.process_time() - cpu
     return result
 
 
@@ -176,39 +161,33 @@ def _nqm_trial(config, entry, batch, params):
     rates = nqm.learning_rates(params["learning_rate"], warmup, steps, decay)
     arguments = optimizer_arguments(entry, params)
     result = nqm.run(
-        nqm.make_nqm(config["nqm"]["dimensions"]),
-        rates,
-        batch,
-        config["study"]["target"],
-        momentum=arguments.get("momentum", 0.0),
+        nqm.make_nqm(config["nqm"]["dimensions"]), rates, batch,
+        config["study"]["target"], momentum=arguments.get("momentum", 0.0),
         nesterov=arguments.get("nesterov", False),
         weight_decay=arguments.get("weight_decay") or 0.0,
         record_every=config["study"]["eval_every"],
-    )
+    )  # fmt: skip
     return {**result, "cap": steps}
 
 
-def trial_config(config, entry, batch, params, seed):
+def trial_config(config, entry, batch, params, seed, num_train):
     """The `tf-lars train` config of one trial: what it trains, exactly."""
     from tf_lars.cli.config import default_config
 
-    train, epochs = default_config("train"), config["study"]["max_epochs"]
+    train = default_config("train")
+    epochs = cap(config, batch, num_train) // (num_train // batch)
     train.update(seed=seed, data=config["data"], model=config["model"])
-    train["training"].update(
-        epochs=epochs, batch_size=batch, jit_compile=config["training"]["jit_compile"]
-    )
-    train["training"]["verbose"] = 0
+    train["training"].update(epochs=epochs, batch_size=batch, verbose=0,
+                             jit_compile=config["training"]["jit_compile"])  # fmt: skip
     decay = config["study"]["schedule"] == "linear_decay"
     train["schedule"] = {
-        "name": "warmup_polynomial_decay",
+        "name": "warmup_polynomial_decay", "power": 1.0, "base_batch_size": None,
         "warmup_epochs": params.get("warmup_share", 0.0) * epochs,
         "end_learning_rate": 0.0 if decay else params["learning_rate"],
-        "power": 1.0,
-        "base_batch_size": None,
-    }
-    block = entry["optimizer"]
+    }  # fmt: skip
     arguments = optimizer_arguments(entry, params)
-    train["optimizer"] = {"class_name": block["class_name"], "config": arguments}
+    train["optimizer"] = {"class_name": entry["optimizer"]["class_name"],
+                          "config": arguments}  # fmt: skip
     return train
 
 
@@ -220,15 +199,14 @@ def _neural_trial(config, data, validation, entry, batch, params, seed, test):
     watch = _steps_to_target(validation, study["target"], study["eval_every"], limit)
     if not test:  # tuning and reruns never see the test set
         data = data._replace(x_test=validation[0], y_test=validation[1])
-    result = fit_config(trial_config(config, entry, batch, params, seed), data, [watch])
+    train = trial_config(config, entry, batch, params, seed, len(data.x_train))
+    result = fit_config(train, data, [watch])
     return {
-        "steps": watch.steps,
-        "cap": limit,
-        "curve": watch.curve,
+        "steps": watch.steps, "cap": limit, "curve": watch.curve,
         "b_simple": gradient_noise_scale(result["optimizer"]),
         "test": result["test_accuracy"] if test else None,
         "train_loss": [float(v) for v in result["history"]["loss"]],
-    }
+    }  # fmt: skip
 
 
 def gradient_noise_scale(optimizer):
@@ -287,10 +265,8 @@ def _value(config, result):
     final, target = result["curve"][-1][1], config["study"]["target"]
     if not math.isfinite(final):
         return 10.0 * result["cap"]
-    if config["workload"] == "nqm":
-        gap = math.log(max(final, target) / target)
-    else:
-        gap = (target - final) / target
+    nqm_loss = config["workload"] == "nqm"
+    gap = math.log(max(final, target) / target) if nqm_loss else 1 - final / target
     return result["cap"] * (1.0 + min(max(gap, 0.0), 8.0))
 
 
@@ -303,6 +279,10 @@ def _complete(study, limit=None):
     return sorted(done, key=lambda t: t.number)[:limit]
 
 
+def _states(study):
+    return [t.state.name for t in study.get_trials(deepcopy=False)]
+
+
 def _claimed(study, trial, budget, seed=None):
     """Whether `trial` is within the study's budget: fewer than `budget`
     complete or running trials numbered below it (of its seed, for a
@@ -310,12 +290,9 @@ def _claimed(study, trial, budget, seed=None):
     import optuna
 
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
-    earlier = [
-        t
-        for t in study.get_trials(deepcopy=False, states=states)
-        if t.number < trial.number
-        and (seed is None or t.user_attrs.get("seed") == seed)
-    ]
+    earlier = [t for t in study.get_trials(deepcopy=False, states=states)
+               if t.number < trial.number
+               and (seed is None or t.user_attrs.get("seed") == seed)]  # fmt: skip
     return len(earlier) < (1 if seed is not None else budget)
 
 
@@ -333,8 +310,8 @@ def _objective(config, entry, batch, budget, rerun):
         data, validation = _CONTEXT["data"], _CONTEXT["validation"]
         test = bool(trial.user_attrs.get("test"))
         result = run_trial(config, data, validation, entry, batch, params, seed, test)
-        every = max(1, len(result["curve"]) // 200)  # at most ~200 points kept
-        curve = result["curve"]
+        curve = result["curve"]  # at most ~200 points kept
+        every = max(1, len(curve) // 200)
         result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
         trial.set_user_attr("result", result)  # one write
         return _value(config, result)
@@ -358,6 +335,11 @@ def _advance(storage, config, entry, batch, progress):
         storage=storage, sampler=sampler, load_if_exists=True,
     )  # fmt: skip
     if len(_complete(tuning)) < budget:
+        if (
+            _states(tuning).count("COMPLETE") + _states(tuning).count("RUNNING")
+            >= budget
+        ):
+            return False  # the rest runs in another worker: no trial to ask for
         objective = _objective(config, entry, batch, budget, rerun=False)
         tuning.optimize(objective, callbacks=[stop(budget), progress])
         if len(_complete(tuning)) < budget:
@@ -374,8 +356,9 @@ def _advance(storage, config, entry, batch, progress):
         if seed not in have:
             attributes = {"seed": seed, "test": index == 0}
             reruns.enqueue_trial(best.params, user_attrs=attributes)
-    objective = _objective(config, entry, batch, seeds, rerun=True)
-    reruns.optimize(objective, callbacks=[stop(seeds), progress])
+    if "WAITING" in _states(reruns):
+        objective = _objective(config, entry, batch, seeds, rerun=True)
+        reruns.optimize(objective, callbacks=[stop(seeds), progress])
     return len(_complete(reruns)) >= seeds
 
 
@@ -416,16 +399,16 @@ def _init_worker(config, data, validation, url, threads):
 
 def _counts(storage, config):
     """Complete trials so far (at most each study's budget), and the total."""
+    import optuna
+
     study, done = config["study"], 0
-    for entry, batch in units(config):
+    states = (optuna.trial.TrialState.COMPLETE,)
+    for unit in units(config):
         for part, budget in (("tuning", study["trials"]), ("reruns", study["seeds"])):
             try:
-                found = storage.get_study_id_from_name(
-                    _name(config, entry, batch, part)
-                )
+                found = storage.get_study_id_from_name(_name(config, *unit, part))
             except KeyError:
                 continue
-            states = (__import__("optuna").trial.TrialState.COMPLETE,)
             done += min(budget, len(storage.get_all_trials(found, False, states)))
     return done, len(units(config)) * (study["trials"] + study["seeds"])
 
@@ -535,9 +518,8 @@ def summarize(config, storage):
     for entry, batch in units(config):
         names = [_name(config, entry, batch, part) for part in ("tuning", "reruns")]
         try:
-            tuning, reruns = (
-                optuna.load_study(study_name=name, storage=storage) for name in names
-            )
+            tuning, reruns = (optuna.load_study(study_name=n, storage=storage)
+                              for n in names)  # fmt: skip
         except KeyError:
             continue
         trials, seeds = _complete(tuning, study["trials"]), {}
@@ -547,24 +529,25 @@ def summarize(config, storage):
             continue
         best = min(trials, key=lambda t: (t.value, t.number))
         runs = [seeds[s].user_attrs["result"] for s in sorted(seeds)][: study["seeds"]]
-        chosen, tried = (
-            best.user_attrs["result"],
-            [t.user_attrs["result"] for t in trials],
-        )
+        chosen = best.user_attrs["result"]
         steps = [r["steps"] or r["cap"] for r in runs]
         noise = [r["b_simple"] for r in runs if r["b_simple"]]
-        interval = bootstrap_interval(steps, study["confidence"], study["resamples"])
         rows.append({
             "optimizer": entry["label"], "batch_size": batch, "trials": len(trials),
-            "trials_reached": sum(r["steps"] is not None for r in tried),
+            "trials_reached": sum(t.user_attrs["result"]["steps"] is not None
+                                  for t in trials),
             "selected_trial": best.number, "params": best.params,
             "tuning_steps": chosen["steps"], "cap": chosen["cap"],
             "seed_steps": [r["steps"] for r in runs], "steps": float(np.mean(steps)),
-            "steps_interval": interval,
+            "steps_interval": bootstrap_interval(
+                steps, study["confidence"], study["resamples"]),
             "reached": all(r["steps"] is not None for r in runs),
-            "test": runs[0]["test"],
+            "test": runs[0]["test"], "curve": chosen["curve"],
             "b_simple": float(np.mean(noise)) if noise else None,
-            "curve": chosen["curve"],
+            "tuning_seconds": sum(t.user_attrs["result"]["seconds"] for t in trials),
+            "rerun_seconds": sum(r["seconds"] for r in runs),
+            "cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in
+                               [*runs, *(t.user_attrs["result"] for t in trials)]),
         })  # fmt: skip
     labels = [entry["label"] for entry in config["optimizers"]]
     fits = {x: _fit(config, [r for r in rows if r["optimizer"] == x]) for x in labels}
@@ -573,111 +556,117 @@ def summarize(config, storage):
 
 def _fit(config, rows):
     """The fit, B_crit and the critical batch, each with a bootstrap
-    interval from resampling every batch size's seeds."""
-    rows = [r for r in rows if r["reached"]]
+    interval from resampling every batch size's seeds; the median B_simple."""
+    rows, study = [r for r in rows if r["reached"]], config["study"]
     batches = np.array([r["batch_size"] for r in rows], float)
     seeds = [np.array(r["seed_steps"], float) for r in rows]
-    study = config["study"]
 
     def numbers(steps):
         s_min, e_min = fit_scaling(batches, steps)
         b_crit = e_min / s_min if s_min > 0 else math.inf
         return s_min, e_min, b_crit, critical_batch(batches, steps) or math.nan
 
-    point = numbers([s.mean() for s in seeds])
     rng = np.random.default_rng(0)
-    draws = np.array([
-        numbers([rng.choice(s, len(s)).mean() for s in seeds])
-        for _ in range(study["resamples"] // 10 if rows else 0)
-    ]).reshape(-1, 4)  # fmt: skip
+    draws = np.array(
+        [
+            numbers([rng.choice(s, len(s)).mean() for s in seeds])
+            for _ in range(study["resamples"] // 10 if rows else 0)
+        ]
+    )
+    draws = draws.reshape(-1, 4) if len(draws) else np.full((1, 4), math.nan)
     quantiles = [(1 - study["confidence"]) / 2, (1 + study["confidence"]) / 2]
-    names = ("s_min", "e_min", "b_crit", "critical_batch")
     fit = {"batch_sizes": batches.astype(int).tolist()}
-    for index, name in enumerate(names):
-        column = draws[:, index] if len(draws) else np.array([math.nan])
-        interval = (
-            np.nanquantile(column, quantiles)
-            if np.isfinite(column).any()
-            else [math.nan] * 2
-        )  # noqa: E501
-        fit[name], fit[f"{name}_interval"] = point[index], [float(v) for v in interval]
+    for name, point, column in zip(FIT_NAMES, numbers([s.mean() for s in seeds]),
+                                   draws.T, strict=True):  # fmt: skip
+        finite = np.isfinite(column).any()
+        interval = np.nanquantile(column, quantiles) if finite else [math.nan] * 2
+        fit[name], fit[f"{name}_interval"] = point, [float(v) for v in interval]
     noise = [r["b_simple"] for r in rows if r["b_simple"]]
     fit["b_simple"] = float(np.median(noise)) if noise else None
+    ratio = fit["b_simple"] and fit["b_crit"]
+    fit["b_simple_over_b_crit"] = fit["b_simple"] / fit["b_crit"] if ratio else None
     return fit
+
+
+FIT_NAMES = ("s_min", "e_min", "b_crit", "critical_batch")
+COLUMNS = ("optimizer batch_size steps steps_low steps_high reached trials "
+           "trials_reached tuning_steps cap test b_simple tuning_seconds "
+           "rerun_seconds cpu_seconds params").split()  # fmt: skip
+REPORT = """\
+# Steps to result against batch size
+
+Workload: {workload}. Target: {metric} {sign} {study[target]:g} on {split}.
+
+Protocol: per optimizer and batch size, {study[trials]} quasi-random trials (Optuna
+QMCSampler, scrambled Sobol, seed {seed}) over: learning rate (log-uniform, per
+optimizer), {space}. A trial's steps: the first evaluation (every {study[eval_every]}
+steps) at the target, capped at {cap}; one that never reaches it counts as not reached.
+Schedule: linear warm-up, then {schedule}. The trial with the fewest steps is rerun on
+{study[seeds]} new seeds ({first} to {last}); steps are their mean (a rerun that did not
+reach counts as the cap) with a {study[confidence]:.0%} percentile bootstrap interval
+({study[resamples]} resamples). The test set is evaluated once, on the first rerun.
+
+Fit per optimizer: S(B) = S_min + E_min / B (least squares on relative error), B_crit =
+E_min / S_min; the critical batch is the largest within {slack:.0%} of perfect scaling
+from the smallest batch. B_simple: the gradient noise scale measured in the reruns
+(median over batch sizes), beside B_crit. Intervals: bootstrap over the seeds. Trials:
+{url}.
+
+Time: {prepare:.0f} s preparing (the data, the checks, TensorFlow's start), {wall:.0f} s
+running the trials on {workers} worker process(es): {tuning:.0f} s in tuning trials and
+{reruns:.0f} s in reruns, summed over the trials ({cpu:.0f} s of CPU time; the time
+columns below are per unit).
+
+{units}
+
+{fits}
+"""
 
 
 def _number(value, digits=3):
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    return f"{value:.{digits}g}"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def _interval(values):
-    return f"[{_number(values[0])}, {_number(values[1])}]"
+def _cells(row):
+    """A unit's row as the CSV's columns."""
+    low, high = row["steps_interval"]
+    return {**row, "steps_low": low, "steps_high": high}
 
 
-def _table_csv(rows):
-    columns = [
-        "optimizer",
-        "batch_size",
-        "steps",
-        "steps_low",
-        "steps_high",
-        "reached",
-        "trials",
-        "trials_reached",
-        "tuning_steps",
-        "cap",
-        "test",
-        "b_simple",
-        "params",
-    ]  # noqa: E501
-    text = io.StringIO()
-    writer = csv.writer(text)
-    writer.writerow(columns)
-    for row in rows:
-        flat = {
-            **row,
-            "steps_low": row["steps_interval"][0],
-            "steps_high": row["steps_interval"][1],
-            "params": json.dumps(row["params"]),
-        }  # noqa: E501
-        writer.writerow([flat[c] for c in columns])
-    return text.getvalue()
+def _markdown(header, lines):
+    rows = [header, ["---"] * len(header), *lines]
+    return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in rows)
 
 
-def report(config, rows, fits, url, wall):
+def report(config, rows, fits, url, times):
     """report.md: the protocol, the budget and every number with its interval."""
-    study, metric = config["study"], _metric(config)
-    lines = [
-        "# Steps to result against batch size", "",
-        f"Workload: {_workload(config)}. Target: {metric} {'<=' if config['workload'] == 'nqm' else '>='} {study['target']:g} on the validation split ({config['validation_fraction']:g} of the training set; the NQM has none: its expected loss).",  # noqa: E501
-        f"Protocol: per optimizer and batch size, {study['trials']} quasi-random trials (Optuna QMCSampler, scrambled Sobol, seed {config['seed']}) over: learning rate (log-uniform, per optimizer), " + ", ".join(f"{k} {v}" for k, v in config["search"].items() if v is not None) + f". A trial's steps: the first evaluation (every {study['eval_every']} steps) at the target, capped ({'nqm.max_steps' if config['workload'] == 'nqm' else 'study.max_epochs epochs'}); one that never reaches it counts as not reached. Schedule: linear warm-up, then {study['schedule'].replace('_', ' ')}.",  # noqa: E501
-        f"The trial with the fewest steps is rerun on {study['seeds']} new seeds ({config['seed'] + 1} to {config['seed'] + study['seeds']}); steps are their mean (a rerun that did not reach counts as the cap) with a {study['confidence']:.0%} percentile bootstrap interval ({study['resamples']} resamples). The test set is evaluated once, on the first rerun.",  # noqa: E501
-        f"Fit per optimizer: S(B) = S_min + E_min / B (least squares on relative error), B_crit = E_min / S_min; the critical batch is the largest within {SCALING_SLACK - 1:.0%} of perfect scaling from the smallest batch. Intervals: bootstrap over the seeds. Trials: {url}; wall time {wall:.0f} s.",  # noqa: E501
-        "", "| optimizer | batch | steps | interval | seeds reached | trials reached | test | B_simple | selected |",  # noqa: E501
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]  # fmt: skip
-    for r in rows:
-        params = ", ".join(f"{k}={v:.3g}" for k, v in r["params"].items())
-        reached = sum(s is not None for s in r["seed_steps"])
-        cells = [r["optimizer"], r["batch_size"], _number(r["steps"], 4),
-                 _interval(r["steps_interval"]), f"{reached}/{len(r['seed_steps'])}",
-                 f"{r['trials_reached']}/{r['trials']}", _number(r["test"], 4),
-                 _number(r["b_simple"]), params]  # fmt: skip
-        lines.append(_row(cells))
-    names = ("s_min", "e_min", "b_crit", "critical_batch")
-    lines += ["", _row(["optimizer", "S_min", "E_min", "B_crit",
-                        "critical batch (20%)", "B_simple (median)"]),
-              _row(["---"] * 6)]  # fmt: skip
-    for label, fit in fits.items():
-        cells = [f"{_number(fit[n])} {_interval(fit[f'{n}_interval'])}" for n in names]
-        lines.append(_row([label, *cells, _number(fit["b_simple"])]))
-    return "\n".join(lines) + "\n"
-
-
-def _row(cells):
-    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+    study, nqm_workload = config["study"], config["workload"] == "nqm"
+    params = lambda p: ", ".join(f"{k}={v:.3g}" for k, v in p.items())  # noqa: E731
+    units = [[_number(_cells(r)[c]) if c != "params" else params(r["params"])
+              for c in COLUMNS] for r in rows]  # fmt: skip
+    fit_rows = [[label] + [f"{_number(fit[n])} [{_number(fit[f'{n}_interval'][0])}, "
+                           f"{_number(fit[f'{n}_interval'][1])}]" for n in FIT_NAMES]
+                + [_number(fit["b_simple"]), _number(fit["b_simple_over_b_crit"])]
+                for label, fit in fits.items()]  # fmt: skip
+    fit_header = ["optimizer", "S_min", "E_min", "B_crit", "critical batch",
+                  "B_simple (median)", "B_simple / B_crit"]  # fmt: skip
+    return REPORT.format(
+        workload=_workload(config), metric=_metric(config), study=study,
+        sign="<=" if nqm_workload else ">=", seed=config["seed"],
+        split="its expectation (the NQM has no split)" if nqm_workload else
+        f"the validation split ({config['validation_fraction']:g} of the training set)",
+        space=", ".join(f"{k} {v}" for k, v in config["search"].items() if v),
+        cap="nqm.max_steps" if nqm_workload else "study.max_steps (whole epochs)",
+        schedule=study["schedule"].replace("_", " "), first=config["seed"] + 1,
+        last=config["seed"] + study["seeds"], slack=SCALING_SLACK - 1, url=url,
+        **times, tuning=sum(r["tuning_seconds"] for r in rows),
+        reruns=sum(r["rerun_seconds"] for r in rows),
+        cpu=sum(r["cpu_seconds"] for r in rows),
+        units=_markdown(COLUMNS, units),
+        fits=_markdown(fit_header, fit_rows),
+    )  # fmt: skip
 
 
 def _metric(config):
@@ -685,35 +674,33 @@ def _metric(config):
 
 
 def _workload(config):
+    model = "{name} width {width}".format(**config["model"])
     if config["workload"] == "nqm":
-        return f"noisy quadratic model, {config['nqm']['dimensions']} dimensions (h_i = c_i = 1/i)"  # noqa: E501
+        return f"noisy quadratic model, {config['nqm']['dimensions']} dimensions"
     if config["workload"] == "mnist1d":
-        return f"mnist1d ({config['mnist1d']['num_samples']} examples), {config['model']['name']} width {config['model']['width']}"  # noqa: E501
-    return f"{config['data']['path'] or 'scikit-learn digits'}, {config['model']['name']} width {config['model']['width']}"  # noqa: E501
+        return f"mnist1d ({config['mnist1d']['num_samples']} examples), {model}"
+    return f"{config['data']['path'] or 'scikit-learn digits'}, {model}"
 
 
-def _write_results(folder, config, rows, fits, url, wall):
+def _write_results(folder, config, rows, fits, url, times):
     from tf_lars.cli.plots import plot_selected_curves, plot_steps_to_result
 
-    record = {
-        "key": study_key(config),
-        "storage": url,
-        "wall_seconds": wall,
-        "rows": rows,
-        "fits": fits,
-    }  # noqa: E501
-    preflight.write_text(
-        folder, "results.json", json.dumps(record, indent=1, default=str)
-    )  # noqa: E501
-    preflight.write_text(folder, "results.csv", _table_csv(rows))
-    preflight.write_text(folder, "report.md", report(config, rows, fits, url, wall))
-    path = os.path.join(folder, "steps.png")
-    preflight.write_file(path, lambda to: plot_steps_to_result(rows, fits, to))
-    path = os.path.join(folder, "curves.png")
+    record = {"key": study_key(config), "storage": url, "times": times,
+              "rows": rows, "fits": fits}  # fmt: skip
+    text = json.dumps(record, indent=1, default=str)
+    preflight.write_text(folder, "results.json", text)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(_cells(r) | {"params": json.dumps(r["params"])} for r in rows)
+    preflight.write_text(folder, "results.csv", table.getvalue())
+    preflight.write_text(folder, "report.md", report(config, rows, fits, url, times))
     target, metric = config["study"]["target"], _metric(config)
-    preflight.write_file(
-        path, lambda to: plot_selected_curves(rows, target, metric, to)
-    )  # noqa: E501
+    for name, plot in (
+        ("steps.png", lambda to: plot_steps_to_result(rows, fits, to)),
+        ("curves.png", lambda to: plot_selected_curves(rows, target, metric, to)),
+    ):
+        preflight.write_file(os.path.join(folder, name), plot)
 
 
 def _check(config, data):
@@ -722,23 +709,12 @@ def _check(config, data):
         return
     from tf_lars.cli.config import ConfigError, build_optimizer, optimizer_spec
 
+    others = {"one_minus_momentum": 0.1, "weight_decay": 1e-4}
+    others = {k: v for k, v in others.items() if config["search"][k]}
     for index, entry in enumerate(config["optimizers"]):
-        key = f"optimizers.{index}.optimizer"
-        spec = optimizer_spec(entry["optimizer"], key)
+        spec = optimizer_spec(entry["optimizer"], f"optimizers.{index}.optimizer")
         for end in entry["learning_rate"]:
-            params = {
-                "learning_rate": end,
-                "one_minus_momentum": 0.1,
-                "weight_decay": 1e-4,
-            }  # noqa: E501
-            arguments = optimizer_arguments(
-                entry,
-                {
-                    k: v
-                    for k, v in params.items()
-                    if k == "learning_rate" or config["search"][k]
-                },
-            )  # noqa: E501
+            arguments = optimizer_arguments(entry, {"learning_rate": end, **others})
             try:
                 build_optimizer(spec._replace(arguments=arguments), end)
             except ConfigError as error:
@@ -751,38 +727,38 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
         data, folder = preflight.preflight("study", config, overwrite)
     data, validation = data if data is not None else (None, None)
     _check(config, data)
-    workers = config["study"]["workers"]
-    workers = preflight.available_cores() if workers == "auto" else workers
-    workers = max(1, min(workers, len(units(config)) * config["study"]["trials"]))
-    url = storage_url(config, os.path.abspath(folder))
-    preflight.write_text(folder, "config.yaml", dump_config(config))
-    for name in ("INTERRUPTED",):
-        if os.path.exists(os.path.join(folder, name)):
-            os.remove(os.path.join(folder, name))
-    out(
-        f"Study {study_key(config)}: {_workload(config)}; {len(units(config))} units "
-        f"x ({config['study']['trials']} trials + {config['study']['seeds']} reruns) "
-        f"on {workers} worker process(es); trials in {url}"
+    study = config["study"]
+    workers = preflight.available_cores() if study["workers"] == "auto" else None
+    workers = max(
+        1, min(workers or study["workers"], len(units(config)) * study["trials"])
     )
+    url = study["storage"] or f"sqlite:///{os.path.abspath(folder)}/study.db"
+    preflight.write_text(folder, "config.yaml", dump_config(config))
+    if os.path.exists(os.path.join(folder, preflight.INTERRUPTED_NOTE)):
+        os.remove(os.path.join(folder, preflight.INTERRUPTED_NOTE))
+    out(f"Study {study_key(config)}: {_workload(config)}; {len(units(config))} units "
+        f"x ({study['trials']} trials + {study['seeds']} reruns) on {workers} worker "
+        f"process(es); trials in {url}")  # fmt: skip
     started = time.perf_counter()
     try:
         execute(config, data, validation, url, workers)
     except KeyboardInterrupt as interrupt:
         done, total = _counts(open_storage(url), config)
+        name = preflight.interruption_name(interrupt)
         preflight.write_text(
             folder, preflight.INTERRUPTED_NOTE,
-            f"Interrupted ({preflight.interruption_name(interrupt)}) after {done} of {total} trials; they are kept in {url}: run the same command again to resume.\n",  # noqa: E501
+            f"Interrupted ({name}) after {done} of {total} trials; they are kept in "
+            f"{url}: run the same command again to resume.\n",
         )  # fmt: skip
         raise preflight.Interrupted(
             f"the run folder {folder} keeps config.yaml and {done} of {total} finished "
             f"trials in {url}; the same command resumes the study"
         ) from None
-    wall = time.perf_counter() - started
+    times = {"prepare": started - STARTED, "workers": workers,
+             "wall": time.perf_counter() - started}  # fmt: skip
     rows, fits = summarize(config, open_storage(url))
-    _write_results(folder, config, rows, fits, url, wall)
-    out(report(config, rows, fits, url, wall))
-    out(
-        f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, "
-        "curves.png, config.yaml)"
-    )  # noqa: E501
+    _write_results(folder, config, rows, fits, url, times)
+    out(report(config, rows, fits, url, times))
+    out(f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, "
+        "curves.png, config.yaml)")  # fmt: skip
     return 0
