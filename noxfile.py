@@ -165,6 +165,7 @@ BACKEND_TESTS = [
     "tests/accumulation_test.py",
     "tests/optimizer_hostile_test.py",
     "tests/diloco_test.py",
+    "tests/noise_scale_test.py",
 ]
 
 #: backend -> what it installs beside the newest pair. `torch==2.13.0`

@@ -121,6 +121,7 @@ PARTS = {
         "lamb",
         "lars",
         "loss_scale",
+        "noise_scale",
         "optimizer_hostile",
         "saved_across_versions",
         "saved_v0_1_0",
@@ -230,6 +231,7 @@ SECOND_TIER_TESTS = {
     "internals_test.py": {"test_import_tf_lars_loads_no_private_module"},
     "lars_test.py": {"test_mirrored_strategy_uses_all_reduced_gradient"},
     "loss_scale_test.py": {"test_mirrored_strategy_replicas_agree"},
+    "noise_scale_test.py": {"test_mirrored_strategy_measures_the_replicas_batches"},
     "no_tensorflow_test.py": {
         "test_no_tensorflow_script_refuses_an_environment_with_tensorflow",
     },

@@ -3,12 +3,16 @@
 Run by tests/backends_test.py with KERAS_BACKEND=jax and
 XLA_FLAGS=--xla_force_host_platform_device_count=2:
 
-    python tests/distribution_script.py data_parallel|model_parallel
+    python tests/distribution_script.py data_parallel|model_parallel|noise_scale
 
 `data_parallel`: `DataParallel(devices=jax.devices())`, LARS and LAMB in
 `model.fit`. `model_parallel`: `ModelParallel` whose `LayoutMap` shards the
 first Dense kernel's columns over the two devices; the trust ratios LARS
-records are those of the whole kernel, as on one device. Prints "<case> OK".
+records are those of the whole kernel, as on one device. `noise_scale`
+(run by tests/noise_scale_test.py): `GradientNoiseScale` with gradient
+accumulation under `DataParallel` measures what one device measures, and
+without accumulation is refused (the optimizer sees the global gradient
+only). Prints "<case> OK".
 """
 
 import pathlib
@@ -59,9 +63,45 @@ def _compare(one, two, name):
     assert np.all(one[1][[0, 2]] != 1.0), one[1]  # the kernels are adapted
 
 
+def _noise_scale(distribution, steps):
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    optimizer = tf_lars.GradientNoiseScale(
+        keras.optimizers.SGD(0.01), batch_size=8, gradient_accumulation_steps=steps
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    x = np.random.default_rng(0).normal(size=(256, 6)).astype("float32")
+    y = (x @ np.arange(6.0) + 1.0)[:, None].astype("float32")
+    try:
+        model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    finally:
+        keras.distribution.set_distribution(None)
+    return optimizer.b_simple, [np.asarray(w) for w in model.get_weights()]
+
+
+def noise_scale(devices):
+    one = _noise_scale(None, 2)
+    two = _noise_scale(keras.distribution.DataParallel(devices=devices), 2)
+    assert np.isfinite(one[0]) and one[0] > 0, one[0]
+    np.testing.assert_allclose(two[0], one[0], rtol=1e-4)
+    for a, b in zip(one[1], two[1], strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    try:
+        _noise_scale(keras.distribution.DataParallel(devices=devices), None)
+    except ValueError as error:
+        assert "keras.distribution" in str(error), error
+    else:
+        raise AssertionError("no accumulation under DataParallel was not refused")
+
+
 def main(case):
     devices = jax.devices()
     assert len(devices) == 2, devices
+    if case == "noise_scale":
+        noise_scale(devices)
+        print(f"{case} OK")
+        return
     for name, make in OPTIMIZERS.items():
         one = _fit(make, None)
         if case == "data_parallel":

@@ -47,6 +47,7 @@ def test_all_is_sorted_and_every_name_is_registered():
     assert tf_lars.__all__ == [
         "AGN",
         "DiLoCo",
+        "GradientNoiseScale",
         "LAMB",
         "LARS",
         "LossScaleOptimizer",

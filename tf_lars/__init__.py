@@ -31,6 +31,7 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "AGN": "tf_lars.agn",
     "DiLoCo": "tf_lars.diloco",
+    "GradientNoiseScale": "tf_lars.noise_scale",
     "LAMB": "tf_lars.lamb",
     "LARS": "tf_lars.lars",
     "LossScaleOptimizer": "tf_lars.loss_scale",
@@ -47,6 +48,7 @@ _PUBLIC = {
 __all__ = [
     "AGN",
     "DiLoCo",
+    "GradientNoiseScale",
     "LAMB",
     "LARS",
     "LossScaleOptimizer",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # What the loading below binds, spelled out.
     from tf_lars.lamb import LAMB
     from tf_lars.lars import LARS
     from tf_lars.loss_scale import LossScaleOptimizer
+    from tf_lars.noise_scale import GradientNoiseScale
     from tf_lars.schedules import WarmupPolynomialDecay
     from tf_lars.trust_ratio import TrustRatio
 
@@ -108,6 +111,8 @@ def load_public_names():
 _REGISTERED = {
     "AGN": "tf_lars.agn",
     "DiLoCo": "tf_lars.diloco",
+    "GradientNoiseScale": "tf_lars.noise_scale",
+    "GradientNoiseScaleMonitor": "tf_lars.callbacks",
     "LAMB": "tf_lars.lamb",
     "LARS": "tf_lars.lars",
     "LossScaleMonitor": "tf_lars.callbacks",

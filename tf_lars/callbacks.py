@@ -1,6 +1,6 @@
 """Keras callbacks that expose tf_lars optimizer state during `model.fit`.
 
-Both write their values into the epoch `logs`, so that Keras's `History`,
+Each writes their values into the epoch `logs`, so that Keras's `History`,
 `CSVLogger` and `TensorBoard` (placed after them) carry them too.
 """
 
@@ -270,3 +270,73 @@ class TrustRatioMonitor(_ScalarLogger):
             "log_dir": self.log_dir,
             "prefix": self.prefix,
         }
+
+
+@keras.saving.register_keras_serializable(package="tf_lars")
+class GradientNoiseScaleMonitor(_ScalarLogger):
+    """Logs `tf_lars.GradientNoiseScale`'s measurement at each epoch end.
+
+    Adds `logs[prefix + "gradient_noise_scale"]` (`B_simple`, in examples),
+    `logs[prefix + "gradient_norm_squared"]` and `logs[prefix +
+    "trace_covariance"]` (its two moving averages; all floats, NaN before the
+    first update) to the epoch logs, so they land in `history.history` and in
+    any callback placed after this one (`CSVLogger`, `TensorBoard`). The
+    optimizer is the model's, or the one a loss-scale optimizer wraps. With
+    `log_dir` (or a `writer`) the three are also written as TensorBoard
+    scalars at step = epoch. docs/guides/noise-scale.md says how to read them.
+
+    Args:
+        log_dir: str or `None`. Directory for a TensorBoard summary writer.
+            Defaults to `None` (no TensorBoard output).
+        writer: `tf.summary.SummaryWriter` or `None`. A writer to use instead
+            of creating one from `log_dir`; give at most one of the two.
+            Defaults to `None`.
+        prefix: str. Prepended to the three log keys. Defaults to `""`.
+
+    Examples:
+        ```python
+        optimizer = tf_lars.GradientNoiseScale(
+            keras.optimizers.SGD(0.1), batch_size=32, gradient_accumulation_steps=4
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        history = model.fit(x, y, batch_size=32, epochs=3,
+                            callbacks=[tf_lars.callbacks.GradientNoiseScaleMonitor()])
+        history.history["gradient_noise_scale"]   # three values, in examples
+        ```
+    """
+
+    def __init__(self, log_dir=None, writer=None, prefix=""):
+        super().__init__(log_dir, writer, prefix)
+
+    def _optimizers(self):
+        from tf_lars.noise_scale import GradientNoiseScale
+
+        optimizer = getattr(self.model, "optimizer", None)
+        while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = optimizer.inner_optimizer
+        if not isinstance(optimizer, GradientNoiseScale):
+            raise ValueError(
+                "`GradientNoiseScaleMonitor` needs a model compiled with "
+                "`tf_lars.GradientNoiseScale` (or a loss-scale optimizer "
+                "wrapping it). Received: "
+                f"optimizer={getattr(self.model, 'optimizer', None)!r}"
+            )
+        return optimizer
+
+    def current_values(self):
+        """`{key: value}` for the model's optimizer as it is now."""
+        optimizer = self._optimizers()
+        return {
+            self.prefix + "gradient_noise_scale": optimizer.b_simple,
+            self.prefix + "gradient_norm_squared": optimizer.gradient_norm_squared,
+            self.prefix + "trace_covariance": optimizer.trace_covariance,
+        }
+
+    def on_epoch_end(self, epoch, logs=None):
+        values = self.current_values()
+        if logs is not None:
+            logs.update(values)
+        self._write_scalars(values, epoch)
+
+    def get_config(self):
+        return {"log_dir": self.log_dir, "prefix": self.prefix}

@@ -23,14 +23,20 @@ to the portable rule; `python benchmarks/bench.py` measures what each saves
    under `tf.distribute`.
 5. **Ratio entries at runtime positions** (`entries`), a compile-time
    matter: updates of small variables of one shape compile to one kernel.
+6. **The gradient noise scale's big batch** (`GradientNoiseScale`): under a
+   strategy of several replicas, the replicas' gradients as the inner
+   optimizer sums them (`observed_all_reduce`), so the measurement adds no
+   collective but one scalar mean; sparse gradients' rows summed.
 """
 
+import contextlib
+import threading
 import weakref
 
 import keras
 import tensorflow as tf
 
-from tf_lars import _internals, _trust, lamb, lars, trust_ratio
+from tf_lars import _internals, _trust, lamb, lars, noise_scale, trust_ratio
 from tf_lars._validation import check_gradient_shapes
 from tf_lars._wrapper import backing_variable, gradient_as_tensor
 from tf_lars.backend import like
@@ -478,6 +484,104 @@ class LAMB(RecomputedNorm, _TrustRatioSteps, lamb.LAMB):
         self.assign_sub(variable, lr * update)
 
 
+# ------------------------------------------------ 6. the gradient noise scale
+
+
+# The observer of the thread in an `observed_all_reduce` block, if any.
+_OBSERVERS = threading.local()
+_ALL_REDUCE = "_all_reduce_sum_gradients"
+
+
+@contextlib.contextmanager
+def observed_all_reduce(optimizer, observe):
+    """For the block, `observe(grads_and_vars, reduced)` sees each cross-replica
+    gradient sum of `optimizer` and of the optimizers it wraps, taken in the
+    thread that entered it (MirroredStrategy runs each replica in a thread).
+
+    What it relies on: Keras's `TFOptimizer._backend_update_step` (Keras 3.8
+    to 3.15.1) sums the replicas' gradients in replica context by calling
+    `self._all_reduce_sum_gradients(grads_and_vars)`, and so do tf_lars's
+    LARS and, through their inner optimizer's step, TrustRatio and LAMB. The
+    method is wrapped once on each instance (`__dict__`, untracked) and
+    passes everything through outside a block. A release that sums another
+    way leaves nothing observed, which `GradientNoiseScale` refuses
+    (tests/noise_scale_mirrored_script.py fails).
+    """
+    while isinstance(optimizer, keras.optimizers.Optimizer):
+        if _ALL_REDUCE not in vars(optimizer):
+            reduce = _internals.private_member(
+                optimizer, _ALL_REDUCE, "GradientNoiseScale"
+            )
+
+            def observed(grads_and_vars, reduce=reduce):
+                reduced = reduce(grads_and_vars)
+                observer = getattr(_OBSERVERS, "observe", None)
+                if observer is not None:
+                    observer(list(grads_and_vars), reduced)
+                return reduced
+
+            optimizer.__dict__[_ALL_REDUCE] = observed
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    outer = getattr(_OBSERVERS, "observe", None)
+    _OBSERVERS.observe = observe
+    try:
+        yield
+    finally:
+        _OBSERVERS.observe = outer
+
+
+@like(noise_scale.GradientNoiseScale)
+class GradientNoiseScale(noise_scale.GradientNoiseScale):
+    def _replicas(self):
+        context = tf.distribute.get_replica_context()
+        return 1 if context is None else context.num_replicas_in_sync
+
+    def _squared_norm(self, grads):
+        total = tf.zeros((), tf.float32)
+        for gradient in grads:
+            if gradient is None:
+                continue
+            if is_sparse(gradient):
+                gradient = summed_rows(gradient).values
+            total += sum_of_squares(tf.cast(gradient, tf.float32))
+        return total
+
+    def _step_norms(self, grads, trainable_variables):
+        # Under R replicas: `fit` divides each replica's loss by R, so a
+        # replica's batch has the gradient R * g_r, and the sum the inner
+        # optimizer applies is the big batch's.
+        replicas = self._replicas()
+        if replicas == 1:
+            return super()._step_norms(grads, trainable_variables)
+        sums = []
+
+        def observe(grads_and_vars, reduced):
+            own = self._squared_norm([g for g, _ in grads_and_vars])
+            sums.append(
+                (own * float(replicas**2), self._squared_norm([g for g, _ in reduced]))
+            )
+
+        with observed_all_reduce(self.inner_optimizer, observe):
+            self.inner_optimizer.apply(grads, trainable_variables)
+        if len(sums) != 1:
+            raise ValueError(
+                "GradientNoiseScale reads the big batch's gradient from the "
+                "inner optimizer's cross-replica sum, which "
+                f"{type(self.inner_optimizer).__name__} did not take once "
+                f"(taken {len(sums)} times). Received: "
+                f"inner_optimizer={self.inner_optimizer!r}"
+            )
+        ((small, big),) = sums
+        context = tf.distribute.get_replica_context()
+        small = context.all_reduce(tf.distribute.ReduceOp.MEAN, small)
+        return small, big, float(replicas)
+
+
 #: Public class -> its TensorFlow subclass; LAMB before TrustRatio (its base),
 #: so that a user's subclass of LAMB gets LAMB's.
-SUBCLASSES = {lars.LARS: LARS, lamb.LAMB: LAMB, trust_ratio.TrustRatio: TrustRatio}
+SUBCLASSES = {
+    lars.LARS: LARS,
+    lamb.LAMB: LAMB,
+    trust_ratio.TrustRatio: TrustRatio,
+    noise_scale.GradientNoiseScale: GradientNoiseScale,
+}
