@@ -224,6 +224,28 @@ def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
     assert history["loss"] == result["train_loss"]
 
 
+def test_reruns_measure_the_gradient_noise_scale(tmp_path, run_cli):
+    """A tiny digits study: every unit's reruns measure B_simple (two
+    micro-batches of half the batch), reported per unit and beside B_crit."""
+    sgd = ("optimizers=[{label: SGD, learning_rate: [0.05, 0.5], "
+           "optimizer: {class_name: SGD, config: {}}}]")  # fmt: skip
+    sets = ["workload=data", "model.width=8", "study.batch_sizes=[16, 64]",
+            "study.trials=2", "study.seeds=2", "study.max_steps=120",
+            "study.target=0.5", "study.eval_every=5", "study.workers=1", sgd,
+            f"output_dir={tmp_path}", "run_name=gns"]  # fmt: skip
+    code, _, err = run_cli("study", *[a for s in sets for a in ("--set", s)])
+    assert code == 0, err
+    results = _results(tmp_path / "gns")
+    noise = [row["b_simple"] for row in results["rows"]]
+    assert len(noise) == 2 and all(0 < b < 1e6 for b in noise), noise
+    fit = results["fits"]["SGD"]
+    assert fit["b_simple"] == pytest.approx(np.median(noise))
+    ratio = fit["b_simple"] / fit["b_crit"]  # both batch sizes reach 0.5 here
+    assert fit["b_simple_over_b_crit"] == pytest.approx(ratio) and ratio > 0
+    report = (tmp_path / "gns" / "report.md").read_text()
+    assert "B_simple / B_crit" in report and f"| {ratio:.3g} |" in report
+
+
 def _command(tmp_path, name, *more):
     return [sys.executable, "-m", "tf_lars.cli", *_quick(tmp_path, name), *SGD_ONLY,
             "--set", "study.batch_sizes=[8, 32, 128]", *more]  # fmt: skip

@@ -130,14 +130,17 @@ def cap(config, batch, num_train):
     return max(1, round(config["study"]["max_steps"] / per_epoch)) * per_epoch
 
 
-def run_trial(config, data, validation, entry, batch, params, seed, test=False):
+def run_trial(
+    config, data, validation, entry, batch, params, seed, test=False, noise=False
+):
     """Trains one configuration until the target or the cap.
 
     Returns `{"steps", "cap", "curve", "b_simple", "test", "seconds",
     "cpu_seconds"}`:
     the first evaluated step that reached the target (None: not reached),
     the validation metric every `eval_every` steps, the gradient noise scale
-    at the end, and the test metric when `test` (else None).
+    at the end (neural workloads: when `noise`, an even batch; else None)
+    and the test metric when `test` (else None).
     """
     started, cpu = time.perf_counter(), time.process_time()
     if config["workload"] == "nqm":
@@ -145,7 +148,7 @@ def run_trial(config, data, validation, entry, batch, params, seed, test=False):
         result["test"] = result["curve"][-1][1] if test else None
     else:
         result = _neural_trial(
-            config, data, validation, entry, batch, params, seed, test
+            config, data, validation, entry, batch, params, seed, test, noise
         )
     # A worker runs one trial at a time: its CPU time is the trial's, what
     # the trial would take alone on an idle core.
@@ -191,7 +194,7 @@ def trial_config(config, entry, batch, params, seed, num_train):
     return train
 
 
-def _neural_trial(config, data, validation, entry, batch, params, seed, test):
+def _neural_trial(config, data, validation, entry, batch, params, seed, test, noise):
     from tf_lars.cli.train import fit_config
 
     study = config["study"]
@@ -200,7 +203,8 @@ def _neural_trial(config, data, validation, entry, batch, params, seed, test):
     if not test:  # tuning and reruns never see the test set
         data = data._replace(x_test=validation[0], y_test=validation[1])
     train = trial_config(config, entry, batch, params, seed, len(data.x_train))
-    result = fit_config(train, data, [watch])
+    noise = noise and batch % 2 == 0  # two micro-batches of half the batch
+    result = fit_config(train, data, [watch], noise_scale=noise)
     return {
         "steps": watch.steps, "cap": limit, "curve": watch.curve,
         "b_simple": gradient_noise_scale(result["optimizer"]),
@@ -210,14 +214,11 @@ def _neural_trial(config, data, validation, entry, batch, params, seed, test):
 
 
 def gradient_noise_scale(optimizer):
-    """`B_simple` measured during a neural trial, or None.
-
-    The one place for `tf_lars.GradientNoiseScale` (McCandlish's two-batch
-    estimator, `.b_simple`) once the library has it: wrap the trial's
-    optimizer in `trial_config`, read it here.
-    """
+    """`B_simple` at the end of a neural trial: its bias-corrected moving
+    average (`tf_lars.GradientNoiseScale`, decay 0.99: about the last 100
+    steps), or None when the trial did not measure it."""
     value = getattr(optimizer, "b_simple", None)
-    return None if value is None else float(value)
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
 def _steps_to_target(validation, target, every, limit):
@@ -231,10 +232,11 @@ def _steps_to_target(validation, target, every, limit):
         steps, curve, step = None, [], 0
 
         def on_train_batch_end(self, batch, logs=None):
-            _stop_point()
-            self.step += 1
-            if self.step % every and self.step != limit:
+            _stop_point()  # steps are updates: micro-batches are not counted
+            step = int(self.model.optimizer.iterations)
+            if step == self.step or (step % every and step != limit):
                 return
+            self.step = step
             logits = self.model.predict_on_batch(x)
             accuracy = float(np.mean(np.argmax(logits, axis=-1) == y))
             self.curve = [*self.curve, (self.step, accuracy)]
@@ -309,7 +311,9 @@ def _objective(config, entry, batch, budget, rerun):
         seed = config["seed"] if seed is None else seed
         data, validation = _CONTEXT["data"], _CONTEXT["validation"]
         test = bool(trial.user_attrs.get("test"))
-        result = run_trial(config, data, validation, entry, batch, params, seed, test)
+        result = run_trial(
+            config, data, validation, entry, batch, params, seed, test, rerun
+        )
         curve = result["curve"]  # at most ~200 points kept
         every = max(1, len(curve) // 200)
         result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
@@ -557,6 +561,7 @@ def summarize(config, storage):
 def _fit(config, rows):
     """The fit, B_crit and the critical batch, each with a bootstrap
     interval from resampling every batch size's seeds; the median B_simple."""
+    noise = [r["b_simple"] for r in rows if r["b_simple"]]
     rows, study = [r for r in rows if r["reached"]], config["study"]
     batches = np.array([r["batch_size"] for r in rows], float)
     seeds = [np.array(r["seed_steps"], float) for r in rows]
@@ -581,7 +586,6 @@ def _fit(config, rows):
         finite = np.isfinite(column).any()
         interval = np.nanquantile(column, quantiles) if finite else [math.nan] * 2
         fit[name], fit[f"{name}_interval"] = point, [float(v) for v in interval]
-    noise = [r["b_simple"] for r in rows if r["b_simple"]]
     fit["b_simple"] = float(np.median(noise)) if noise else None
     ratio = fit["b_simple"] and fit["b_crit"]
     fit["b_simple_over_b_crit"] = fit["b_simple"] / fit["b_crit"] if ratio else None
@@ -609,7 +613,9 @@ reach counts as the cap) with a {study[confidence]:.0%} percentile bootstrap int
 Fit per optimizer: S(B) = S_min + E_min / B (least squares on relative error), B_crit =
 E_min / S_min; the critical batch is the largest within {slack:.0%} of perfect scaling
 from the smallest batch. B_simple: the gradient noise scale measured in the reruns
-(median over batch sizes), beside B_crit. Intervals: bootstrap over the seeds. Trials:
+(tf_lars.GradientNoiseScale over two micro-batches of half the batch: its moving average
+at a rerun's end; per unit the mean over the seeds, per optimizer the median over the
+batch sizes), beside B_crit. Intervals: bootstrap over the seeds. Trials:
 {url}.
 
 Time: {prepare:.0f} s preparing (the data, the checks, TensorFlow's start), {wall:.0f} s

@@ -636,13 +636,24 @@ def trial_from_config(config, data, global_batch, strategy=None):
     )
 
 
-def fit_config(config, data, callbacks=()):
+def fit_config(config, data, callbacks=(), noise_scale=False):
     """One run of a `train` config on one device, silently: the training
     `tf-lars train` runs (`trial_from_config`, `fit_once`), which `tf-lars
-    study` runs for each trial. `fit_once`'s result."""
+    study` runs for each trial. `fit_once`'s result.
+
+    With `noise_scale` (an even batch), the optimizer is wrapped in
+    `tf_lars.GradientNoiseScale` over two micro-batches of half the batch:
+    the same updates (their mean gradient is the batch's), and the result's
+    `optimizer.b_simple` is the gradient noise scale at the end.
+    """
     training = config["training"]
     batch = global_batch_size(training["batch_size"], len(data.x_train), 1)[1]
     trial = trial_from_config(config, data, batch)
+    if noise_scale:
+        batch //= 2
+        trial["optimizer"] = tf_lars.GradientNoiseScale(
+            trial["optimizer"], batch_size=batch, gradient_accumulation_steps=2
+        )
     return fit_once(
         data,
         trial,
