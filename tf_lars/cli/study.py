@@ -273,26 +273,22 @@ def _value(config, result):
 
 
 # ------------------------------------------------------------------ workers
+def _trials(study, *states):
+    """A study's trials in `states` (names: "COMPLETE", ...), by number."""
+    found = [t for t in study.get_trials(deepcopy=False) if t.state.name in states]
+    return sorted(found, key=lambda t: t.number)
+
+
 def _complete(study, limit=None):
     """The first `limit` complete trials of a study, by number."""
-    import optuna
-
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return sorted(done, key=lambda t: t.number)[:limit]
-
-
-def _states(study):
-    return [t.state.name for t in study.get_trials(deepcopy=False)]
+    return _trials(study, "COMPLETE")[:limit]
 
 
 def _claimed(study, trial, budget, seed=None):
     """Whether `trial` is within the study's budget: fewer than `budget`
     complete or running trials numbered below it (of its seed, for a
     rerun). A shared study so never runs more than its budget."""
-    import optuna
-
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
-    earlier = [t for t in study.get_trials(deepcopy=False, states=states)
+    earlier = [t for t in _trials(study, "COMPLETE", "RUNNING")
                if t.number < trial.number
                and (seed is None or t.user_attrs.get("seed") == seed)]  # fmt: skip
     return len(earlier) < (1 if seed is not None else budget)
@@ -339,10 +335,7 @@ def _advance(storage, config, entry, batch, progress):
         storage=storage, sampler=sampler, load_if_exists=True,
     )  # fmt: skip
     if len(_complete(tuning)) < budget:
-        if (
-            _states(tuning).count("COMPLETE") + _states(tuning).count("RUNNING")
-            >= budget
-        ):
+        if len(_trials(tuning, "COMPLETE", "RUNNING")) >= budget:
             return False  # the rest runs in another worker: no trial to ask for
         objective = _objective(config, entry, batch, budget, rerun=False)
         tuning.optimize(objective, callbacks=[stop(budget), progress])
@@ -353,14 +346,14 @@ def _advance(storage, config, entry, batch, progress):
         study_name=_name(config, entry, batch, "reruns"),
         storage=storage, load_if_exists=True,
     )  # fmt: skip
-    have = {t.user_attrs.get("seed") for t in reruns.get_trials(deepcopy=False)
-            if t.state.name in ("COMPLETE", "RUNNING", "WAITING")}  # fmt: skip
+    have = {t.user_attrs.get("seed")
+            for t in _trials(reruns, "COMPLETE", "RUNNING", "WAITING")}  # fmt: skip
     for index in range(seeds):
         seed = config["seed"] + 1 + index
         if seed not in have:
             attributes = {"seed": seed, "test": index == 0}
             reruns.enqueue_trial(best.params, user_attrs=attributes)
-    if "WAITING" in _states(reruns):
+    if _trials(reruns, "WAITING"):
         objective = _objective(config, entry, batch, seeds, rerun=True)
         reruns.optimize(objective, callbacks=[stop(seeds), progress])
     return len(_complete(reruns)) >= seeds
