@@ -222,8 +222,9 @@ def gradient_noise_scale(optimizer):
 
 
 def _steps_to_target(validation, target, every, limit):
-    """A Keras callback: validation accuracy every `every` steps; stops
-    training at the first evaluation that reaches `target`."""
+    """A Keras callback: validation accuracy every `every` steps (updates);
+    stops training at the first evaluation that reaches `target`, or at
+    `limit` (micro-batches of an odd count per epoch run past it)."""
     import keras
 
     x, y = validation
@@ -242,7 +243,7 @@ def _steps_to_target(validation, target, every, limit):
             self.curve = [*self.curve, (self.step, accuracy)]
             if accuracy >= target:
                 self.steps = self.step
-                self.model.stop_training = True
+            self.model.stop_training = accuracy >= target or step >= limit
 
     return StepsToTarget()
 
