@@ -1,18 +1,11 @@
 """`tf-lars study`: steps to a target against batch size, per optimizer, on Optuna.
 
-The protocol (Shallue et al. 2019, arXiv 1811.03600; Nado et al. 2021) is in
-`REPORT` and docs/guides/cli.md: per optimizer and batch size (a *unit*),
-`study.trials` quasi-random trials (`optuna.samplers.QMCSampler`), each trained
-until its validation metric reaches `study.target` or the step cap; the fewest
-steps' trial rerun on `study.seeds` seeds (the first evaluates the test set);
-then per optimizer `S(B) = S_min + E_min / B` (McCandlish et al. 2018), `B_crit`,
-the largest batch within `SCALING_SLACK` of perfect scaling (Zhang et al. 2024)
-and the reruns' gradient noise scale `B_simple`.
-
-A unit is two Optuna studies (tuning and reruns) in one storage, named with a
-hash of the config: a rerun resumes, several processes share the work, and a
-unit's budget holds whichever process asks (`_claimed`). Worker processes
-each run many trials (one TensorFlow start per process).
+The protocol (Shallue et al. 2019, arXiv 1811.03600; Nado et al. 2021;
+McCandlish et al. 2018; Zhang et al. 2024) is `REPORT`'s and docs/guides/cli.md's.
+A *unit* (an optimizer at a batch size) is two Optuna studies (tuning and
+reruns) in one storage, named with a hash of the config: a rerun resumes,
+several processes share the work, and a unit's budget holds whichever process
+asks (`_claimed`). Worker processes each run many trials (one TensorFlow start).
 """
 
 import concurrent.futures
@@ -566,12 +559,9 @@ def _fit(config, rows):
         return s_min, e_min, b_crit, critical_batch(batches, steps) or math.nan
 
     rng = np.random.default_rng(0)
-    draws = np.array(
-        [
-            numbers([rng.choice(s, len(s)).mean() for s in seeds])
-            for _ in range(study["resamples"] // 10 if rows else 0)
-        ]
-    )
+    count = study["resamples"] // 10 if rows else 0
+    draws = np.array([numbers([rng.choice(s, len(s)).mean() for s in seeds])
+                      for _ in range(count)])  # fmt: skip
     draws = draws.reshape(-1, 4) if len(draws) else np.full((1, 4), math.nan)
     quantiles = [(1 - study["confidence"]) / 2, (1 + study["confidence"]) / 2]
     fit = {"batch_sizes": batches.astype(int).tolist()}
@@ -729,9 +719,7 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
     _check(config, data)
     study = config["study"]
     workers = preflight.available_cores() if study["workers"] == "auto" else None
-    workers = max(
-        1, min(workers or study["workers"], len(units(config)) * study["trials"])
-    )
+    workers = min(workers or study["workers"], len(units(config)) * study["trials"])
     url = study["storage"] or f"sqlite:///{os.path.abspath(folder)}/study.db"
     preflight.write_text(folder, "config.yaml", dump_config(config))
     if os.path.exists(os.path.join(folder, preflight.INTERRUPTED_NOTE)):
