@@ -1,46 +1,34 @@
-"""The sweep plot: its zoom panel is chosen from the data, its legend shown."""
+"""The study's plots: steps against batch size (log-log, fit, perfect
+scaling, B_crit) and the selected trials' curves."""
 
-import pytest
+import math
 
 from tf_lars.cli import plots
 
 
-def _series(accuracies, bad):
-    return [("LARS, linear LR", accuracies, bad, "--")]
+def _row(label, batch, steps, reached=True):
+    return {"optimizer": label, "batch_size": batch, "steps": steps,
+            "steps_interval": [0.9 * steps, 1.1 * steps], "reached": reached,
+            "curve": [[1, 0.1], [steps, 0.7]]}  # fmt: skip
 
 
-def test_zoom_range_follows_the_trained_runs():
-    # Best 95%; runs within 10 points of it (90, 95) set the range; the
-    # collapsed 10% and the 60% run are left out of the zoom.
-    series = _series([0.95, 0.90, 0.60, 0.10], [False, False, False, True])
-    assert plots.sweep_zoom_range(series) == (89.0, 96.0)
-    assert plots.sweep_zoom_range(_series([0.996, 0.99], [False] * 2)) == (98.0, 100.0)
-    # Nothing trained: no zoom (the old code drew an empty 99-100% panel).
-    assert plots.sweep_zoom_range(_series([0.1, 0.1], [True, True])) is None
-    assert plots.sweep_zoom_range(_series([0.05, 0.04], [False, False])) == (3.0, 6.0)
+def test_steps_plot_is_log_log_with_the_fit_and_b_crit(tmp_path):
+    rows = [_row("LARS", b, 100 + 6400 / b) for b in (16, 64, 256)]
+    rows.append(_row("LARS", 1024, 300, reached=False))
+    nan = {"s_min": math.nan, "e_min": math.nan, "b_crit": math.nan}
+    fits = {"LARS": {"s_min": 100.0, "e_min": 6400.0, "b_crit": 64.0}, "AdamW": nan}
+    figure = plots.plot_steps_to_result(rows, fits, tmp_path / "steps.png")
+    axes = figure.axes[0]
+    assert (axes.get_xscale(), axes.get_yscale()) == ("log", "log")
+    assert [t.get_text() for t in axes.get_legend().get_texts()] == ["LARS"]
+    assert any(list(line.get_xdata()) == [64.0, 64.0] for line in axes.get_lines())
+    assert (tmp_path / "steps.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize(
-    "accuracies, bad, panels",
-    [
-        ([0.95, 0.90, 0.60, 0.10], [False, False, False, True], 2),
-        ([0.10, 0.09], [True, True], 1),
-    ],
-)
-def test_sweep_plot_panels_and_legend(accuracies, bad, panels, tmp_path):
-    figure = plots.plot_sweep(
-        [32, 64, 128, 256][: len(accuracies)],
-        _series(accuracies, bad),
-        tmp_path / "sweep.png",
-        title="t",
-    )
-    assert len(figure.axes) == panels
-    assert figure.axes[0].get_ylim() == (0.0, 100.0)
-    legends = [axes.get_legend() for axes in figure.axes]
-    assert [legend is not None for legend in legends] == [False] * (panels - 1) + [True]
-    assert [text.get_text() for text in legends[-1].get_texts()] == ["LARS, linear LR"]
-    if panels == 2:
-        low, high = figure.axes[1].get_ylim()
-        assert (low, high) == (89.0, 96.0)
-        assert figure.axes[1].get_title() == "Zoom: 89-96%"
-    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+def test_curves_plot_has_a_panel_per_optimizer(tmp_path):
+    rows = [_row("LARS", 16, 50), _row("LAMB", 16, 40), _row("LAMB", 64, 20)]
+    figure = plots.plot_selected_curves(
+        rows, 0.6, "validation accuracy", tmp_path / "c.png"
+    )  # noqa: E501
+    assert [axes.get_title() for axes in figure.axes] == ["LARS", "LAMB"]
+    assert len(figure.axes[1].get_legend().get_texts()) == 2

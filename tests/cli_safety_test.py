@@ -27,9 +27,8 @@ TIMEOUT = 300
 CHEAP = {
     "train": ["--set", "training.epochs=1", "--set", "schedule.name=none",
               "--set", "model.width=2", "--set", "training.verbose=0"],
-    "sweep": ["--set", "training.epochs=1", "--set", "schedule.warmup_epochs=0",
-              "--set", "sweep.batch_sizes=[full]", "--set", "sweep.grid_factors=[1.0]",
-              "--set", "sweep.workers=1", "--set", "model.width=2"],
+    "study": ["--quick", "--set", "study.batch_sizes=[8]", "--set", "study.trials=1",
+              "--set", "study.seeds=1"],
     "lowcomm": ["--set", "training.steps=2", "--set", "training.batch_size=4",
                 "--set", "workers=[2]", "--set", "sync_every=[1]",
                 "--set", "model.width=2"],
@@ -37,7 +36,7 @@ CHEAP = {
 
 
 # ------------------------------------------------------------ run folders
-@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
+@pytest.mark.parametrize("command", ["train", "study", "lowcomm"])
 def test_an_existing_named_run_folder_is_refused(
     command, tmp_path, one_line_error, run_cli
 ):
@@ -163,42 +162,9 @@ def test_ctrl_c_in_train_keeps_the_config_and_history(signum, name, status, tmp_
     assert "model:\n  name: cnn\n  width: 4\n" in (folder / "config.yaml").read_text()
 
 
-def test_ctrl_c_in_sweep_keeps_the_finished_trainings_and_their_table(tmp_path):
-    process = _start(
-        ["sweep", "--set", "run_name=s", "--set", "training.epochs=3",
-         "--set", "schedule.warmup_epochs=1", "--set", "sweep.batch_sizes=[512]",
-         "--set", "sweep.grid_factors=[0.5]", "--set", "sweep.workers=2",
-         "--set", "model.width=4"],
-        tmp_path,
-    )  # fmt: skip
-    code, out, err = _interrupt_after(process, " 2/10]")
-    folder = tmp_path / "runs" / "s"
-    assert code == 130, err
-    results = json.loads((folder / "results.json").read_text())
-    done = len(results["runs"])
-    assert 2 <= done < 10
-    assert results["interrupted"] is True and results["runs_planned"] == 10
-    assert err == (
-        "tf-lars sweep: interrupted (Ctrl-C); the run folder runs/s keeps "
-        f"config.yaml, results.json and table.md of the {done} of 10 trainings "
-        "that finished, and INTERRUPTED\n"
-    )
-    assert sorted(os.listdir(folder)) == [
-        "INTERRUPTED", "config.yaml", "results.json", "table.md",
-    ]  # fmt: skip
-    table = (folder / "table.md").read_text()
-    # Per optimizer: "linear LR" and "best of grid" cells, "not run" without
-    # a finished training (the linear one, for the first).
-    not_run = 0
-    for label in results["labels"]:
-        runs = [run for run in results["runs"] if run["label"] == label]
-        not_run += 2 if not runs else int(all(r["factor"] != 1.0 for r in runs))
-    assert table.count("not run") == not_run < 10
-    linear = [run for run in results["runs"] if run["factor"] == 1.0]
-    for run in linear:
-        assert f"(lr {run['learning_rate']:.3g})" in table
-    # The workers stopped with the sweep: no process is left training.
-    assert "[10/10]" not in out
+# Ctrl-C in `study`: tests/cli_study_test.py::
+# test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes (and, in-process,
+# test_a_rerun_resumes_the_study: a trial is kept once Optuna records it).
 
 
 @pytest.mark.parametrize(
@@ -265,29 +231,6 @@ def test_the_process_ends_without_collecting_its_garbage(tmp_path):
     assert process.stdout == ""
 
 
-def test_a_training_shown_as_finished_is_kept_by_a_ctrl_c_at_once(monkeypatch):
-    # The race the test above can hit: Ctrl-C arriving just as a progress
-    # line is printed. The line's training is already in `results`.
-    from tf_lars.cli import sweep
-
-    def fake_run(config, task):
-        return {**task, "test_accuracy": 0.5, "diverged": False, "seconds": 1.0}
-
-    def out(line):
-        if line.startswith("[2/3]"):
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(sweep, "run_task", fake_run)
-    tasks = [
-        {"label": "LARS", "batch_size": b, "learning_rate": 0.1, "factor": 1.0}
-        for b in (64, 128, 256)
-    ]
-    results = [None] * 3
-    with pytest.raises(KeyboardInterrupt):
-        sweep.execute({}, tasks, 1, out=out, results=results)
-    assert [r and r["batch_size"] for r in results] == [64, 128, None]
-
-
 # ------------------------------------------------------ one-line errors
 def test_a_config_file_that_is_not_text(tmp_path, one_line_error, run_cli):
     binary = tmp_path / "b.yaml"
@@ -351,7 +294,7 @@ def test_data_that_is_not_an_npz_gets_no_pickle_advice(
         assert "allow_pickle" not in line
 
 
-@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
+@pytest.mark.parametrize("command", ["train", "study", "lowcomm"])
 def test_an_output_dir_that_cannot_hold_a_run_folder(
     command, tmp_path, one_line_error, run_cli
 ):
@@ -370,7 +313,7 @@ def test_an_output_dir_that_cannot_hold_a_run_folder(
         )
 
 
-@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
+@pytest.mark.parametrize("command", ["train", "study", "lowcomm"])
 def test_a_read_only_output_dir(
     command, tmp_path, monkeypatch, one_line_error, run_cli
 ):
@@ -430,9 +373,10 @@ def test_a_run_name_longer_than_a_folder_name_is_named(
         (["train", "--set", "model.name=cnn", "--set", "data.path=flat.npz"],
          "`model.name`=cnn needs image examples"),
         (["train", "--set", "run_name=taken"], "the run folder runs/taken exists"),
-        (["sweep", "--set", "optimizers.0.label=LARS"], "must be unique"),
-        (["sweep", "--set", "sweep.batch_sizes=[99999]"], "at most the training"),
-        (["sweep", "--set", "training.epochs=3"], "`schedule.warmup_epochs` must"),
+        (["study", "--set", "optimizers.0.label=AdamW"], "must be unique"),
+        (["study", "--set", "workload=data", "--set", "study.batch_sizes=[99999]"],
+         "at most the training"),
+        (["study", "--set", "search.warmup_share=[0.5, 0.1]"], "must be [low, high]"),
     ],
 )  # fmt: skip
 def test_config_mistakes_are_reported_before_tensorflow_is_imported(

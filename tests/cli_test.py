@@ -31,7 +31,6 @@ from tf_lars.cli.config import (
     parse_yaml,
 )
 from tf_lars.cli.main import main
-from tf_lars.cli.sweep import format_table, plan, summarize
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -351,10 +350,12 @@ def test_bad_data_train(case, tmp_path, one_line_error, run_cli):
     assert not output.exists()  # nothing written for a refused run
 
 
-def test_bad_data_sweep(tmp_path, one_line_error, run_cli):
+def test_bad_data_study(tmp_path, one_line_error, run_cli):
     path, _, expected = _bad_data_cases(tmp_path)["wrong names"]
-    code, _, err = run_cli("sweep", "--set", f"data.path={path}")
-    assert expected in one_line_error(code, err, "sweep")
+    code, _, err = run_cli(
+        "study", "--set", "workload=data", "--set", f"data.path={path}"
+    )
+    assert expected in one_line_error(code, err, "study")
 
 
 def test_bad_data_in_a_real_process_has_no_traceback(tmp_path):
@@ -483,31 +484,6 @@ def test_a_key_given_twice_is_refused(tmp_path, one_line_error, run_cli):
     assert not (tmp_path / "o").exists()
 
 
-BAD_SWEEP = [
-    (["--set", "sweep.grid_factors=[]"],
-     "`sweep.grid_factors` must be a list of at least 1 item(s)"),
-    (["--set", "sweep.grid_factors=[0.5, -1]"],
-     "`sweep.grid_factors.1` must be a finite number > 0.0"),
-    (["--set", "sweep.batch_sizes=[32, 99999]"],
-     "`sweep.batch_sizes.1` must be at most the training set size (1347)"),
-    (["--set", "sweep.workers=0"], "`sweep.workers` must be an int >= 1 or 'auto'"),
-    (["--set", "optimizers.1.optimizer.config.momentum=2.0"],
-     "`optimizers.1.optimizer.config`: `momentum` must be"),
-    (["--set", "optimizers.0.label=LARS"], "`optimizers.*.label` must be unique"),
-    (["--set", "optimizers.5.label=x"],
-     "`--set optimizers.5.label`: `optimizers.5` is not an index into a list of 5"),
-    (["--set", "sweep.batch_size=32"], "Unknown config key `sweep.batch_size`"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("argv, expected", BAD_SWEEP)
-def test_bad_config_sweep(argv, expected, tmp_path, one_line_error, run_cli):
-    output = tmp_path / "out"
-    code, _, err = run_cli("sweep", *argv, "--set", f"output_dir={output}")
-    assert expected in one_line_error(code, err, "sweep")
-    assert not output.exists()
-
-
 def test_command_line_usage_errors(run_cli):
     code, _, err = run_cli("fly")
     assert code == 2
@@ -517,7 +493,7 @@ def test_command_line_usage_errors(run_cli):
     assert "the following arguments are required: COMMAND" in err
     code, out, _ = run_cli("--help")
     assert code == 0
-    for command in ("train", "sweep", "bench"):
+    for command in ("train", "study", "bench"):
         assert command in out
 
 
@@ -577,24 +553,24 @@ def test_optimizer_with_schedule_saved_from_python(tmp_path, run_cli):
 
 def test_set_values_are_parsed_as_yaml():
     config = apply_overrides(
-        default_config("sweep"),
+        default_config("study"),
         [
             "optimizers.1.optimizer.config.weight_decay=1e-4",
-            "sweep.batch_sizes=[64, full]",
+            "study.batch_sizes=[64, 128]",
             "run_name=null",
             "data.path=",
             "training.jit_compile=false",
-            "optimizers.0.base_learning_rate=2",
+            "optimizers.0.learning_rate=[0.1, 2]",
         ],
     )
     assert config["optimizers"][1]["optimizer"]["config"]["weight_decay"] == 1e-4
     assert isinstance(
         config["optimizers"][1]["optimizer"]["config"]["weight_decay"], float
     )
-    assert config["sweep"]["batch_sizes"] == [64, "full"]
+    assert config["study"]["batch_sizes"] == [64, 128]
     assert config["run_name"] is None and config["data"]["path"] is None
     assert config["training"]["jit_compile"] is False
-    assert config["optimizers"][0]["base_learning_rate"] == 2
+    assert config["optimizers"][0]["learning_rate"] == [0.1, 2]
 
 
 def test_user_file_merges_over_default_and_replaces_optimizer(tmp_path):
@@ -623,7 +599,7 @@ def test_config_error_is_a_value_error():
 
 
 # -------------------------------------------------------- shipped configs
-@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
+@pytest.mark.parametrize("command", ["train", "study", "lowcomm"])
 def test_the_located_defaults_are_the_repository_configs(command):
     # In a source checkout the defaults are configs/*.yaml themselves.
     top_level = REPO / "configs" / f"{command}.yaml"
@@ -655,7 +631,7 @@ def test_installed_package_reads_its_package_data(tmp_path):
         import sys
         sys.argv = ["tf-lars"]  # lazy tf_lars: no TensorFlow needed here
         from tf_lars.cli.config import default_config_path, load_config
-        for command in ("train", "sweep", "lowcomm"):
+        for command in ("train", "study", "lowcomm"):
             print(default_config_path(command))
             load_config(command)
         print("tensorflow" in sys.modules)
@@ -672,7 +648,7 @@ def test_installed_package_reads_its_package_data(tmp_path):
     assert process.returncode == 0, process.stderr
     assert process.stdout.split() == [
         str(data / "train.yaml"),
-        str(data / "sweep.yaml"),
+        str(data / "study.yaml"),
         str(data / "lowcomm.yaml"),
         "False",
     ]
@@ -687,7 +663,7 @@ def test_pyproject_installs_configs_as_package_data():
     assert not (REPO / "tf_lars" / "configs").exists()  # one source only
 
 
-@pytest.mark.parametrize("command", ["train", "sweep", "lowcomm"])
+@pytest.mark.parametrize("command", ["train", "study", "lowcomm"])
 def test_every_config_key_has_a_comment(command):
     text = (REPO / "configs" / f"{command}.yaml").read_text()
     undocumented = []
@@ -702,142 +678,12 @@ def test_every_config_key_has_a_comment(command):
     assert undocumented == []
 
 
-def test_default_sweep_plan():
-    config = load_config("sweep")
-    batch_sizes, factors, tasks = plan(config, 1347)
-    assert batch_sizes == [32, 64, 128, 256, 512, 1347]
-    assert factors == [0.00390625, 0.015625, 0.0625, 0.25, 1.0, 4.0, 16.0, 64.0]
-    labels = ["SGD-momentum", "LARS", "Nesterov", "AdamW", "LAMB"]
-    assert [entry["label"] for entry in config["optimizers"]] == labels
-    assert len(tasks) == 6 * 5 * 8
-    lars_full = [t for t in tasks if t["label"] == "LARS" and t["batch_size"] == 1347]
-    np.testing.assert_allclose(
-        [t["learning_rate"] for t in lars_full],
-        [0.1 * 1347 / 32 * f for f in factors],
-    )
-    sgd_32 = [
-        t for t in tasks if t["label"] == "SGD-momentum" and t["batch_size"] == 32
-    ]
-    np.testing.assert_allclose(
-        [t["learning_rate"] for t in sgd_32], [0.1 * f for f in factors]
-    )
-
-
 def test_pyproject_declares_the_console_script():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"] == {"tf-lars": "tf_lars.cli.main:main"}
     cli = pyproject["project"]["optional-dependencies"]["cli"]
     for package in ("pyyaml", "matplotlib", "scikit-learn", "pydantic", "rich"):
         assert any(entry.startswith(package) for entry in cli), package
-
-
-# ------------------------------------------------------------------ sweep
-def _fake_result(label, batch_size, factor, accuracy, diverged=False, collapsed=False):
-    return {
-        "collapsed": collapsed,
-        "label": label,
-        "batch_size": batch_size,
-        "factor": factor,
-        "learning_rate": 0.1 * batch_size / 32 * factor,
-        "test_accuracy": accuracy,
-        "diverged": diverged,
-        "steps_per_epoch": 1347 // batch_size,
-    }
-
-
-def test_summary_and_table_values():
-    results = [
-        _fake_result("SGD", 32, 0.5, 0.95),
-        _fake_result("SGD", 32, 1.0, 0.97),
-        _fake_result("SGD", 32, 2.0, 0.97),  # tie: the linear point wins
-        _fake_result("SGD", 1347, 0.5, 0.60),
-        _fake_result("SGD", 1347, 1.0, float("nan"), diverged=True),
-        _fake_result("SGD", 1347, 2.0, 0.102, collapsed=True),
-        _fake_result("LARS", 32, 0.5, 0.981),
-        _fake_result("LARS", 32, 1.0, 0.98),
-        _fake_result("LARS", 32, 2.0, 0.97),
-        _fake_result("LARS", 1347, 0.5, 0.95),
-        _fake_result("LARS", 1347, 1.0, 0.99),
-        _fake_result("LARS", 1347, 2.0, 0.99),  # tie: factor 1 (closer to 1)
-    ]
-    summary = summarize([32, 1347], ["SGD", "LARS"], results)
-    assert summary["SGD"][32]["best"]["factor"] == 1.0
-    assert summary["SGD"][1347]["linear"]["diverged"] is True
-    assert summary["SGD"][1347]["best"]["factor"] == 0.5
-    assert summary["LARS"][32]["best"]["factor"] == 0.5
-    assert summary["LARS"][1347]["best"]["factor"] == 1.0
-    table = format_table([32, 1347], ["SGD", "LARS"], summary, epochs=10)
-    lines = table.splitlines()
-    assert [c.strip() for c in lines[0].split("|")[1:-1]] == [
-        "batch size", "steps", "SGD linear LR",
-        "SGD best of grid", "LARS linear LR", "LARS best of grid",
-    ]  # fmt: skip
-    # Columns are padded to a common width on every line.
-    assert len({len(line) for line in lines}) == 1
-    cells = [c.strip() for c in lines[2].split("|")[1:-1]]
-    # LARS's best point at 32 is the grid's smallest rate: marked EDGE.
-    assert summary["LARS"][32]["edge"] and not summary["SGD"][32]["edge"]
-    assert cells == ["32", "420", "97.0 (lr 0.1)", "97.0 (lr 0.1)",
-                     "98.0 (lr 0.1)", "98.1 (lr 0.05) EDGE"]  # fmt: skip
-    cells = [c.strip() for c in lines[3].split("|")[1:-1]]
-    assert cells == ["1347", "10", "diverged (lr 4.21)", "60.0 (lr 2.1) EDGE",
-                     "99.0 (lr 4.21)", "99.0 (lr 4.21)"]  # fmt: skip
-    # A collapsed run is labelled; the NaN-accuracy diverged run never wins.
-    summary["SGD"][1347]["best"] = results[5]
-    assert "10.2 collapsed (lr 8.42)" in format_table(
-        [32, 1347], ["SGD", "LARS"], summary, epochs=10
-    )
-    only_bad = summarize([1347], ["SGD"], results[4:6])
-    assert only_bad["SGD"][1347]["best"]["factor"] == 2.0
-
-
-def test_sweep_end_to_end_in_two_processes(tmp_path):
-    # The installed console script: its worker processes write no TensorFlow
-    # start-up lines either.
-    process = subprocess.run(
-        [sys.executable, str(_console_script(tmp_path)), "sweep",
-         "--set", "training.epochs=2", "--set", "schedule.warmup_epochs=1",
-         "--set", "sweep.batch_sizes=[512, full]", "--set", "sweep.grid_factors=[0.5]",
-         "--set", "sweep.workers=2", "--set", "model.width=4",
-         "--set", f"output_dir={tmp_path}", "--set", "run_name=sw"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=process_env(),
-        timeout=600,
-    )  # fmt: skip
-    out = process.stdout
-    assert process.returncode == 0, process.stderr
-    assert "on 2 worker process(es)" in out
-    assert TF_LOG_LINE.search(process.stderr) is None, process.stderr
-    run_dir = tmp_path / "sw"
-    assert sorted(os.listdir(run_dir)) == [
-        "config.yaml", "results.json", "sweep.png", "table.md",
-    ]  # fmt: skip
-    results = json.loads((run_dir / "results.json").read_text())
-    assert results["workers"] == 2
-    assert results["batch_sizes"] == [512, 1347]
-    runs = results["runs"]
-    labels = ["SGD-momentum", "LARS", "Nesterov", "AdamW", "LAMB"]
-    base = {"SGD-momentum": 0.1, "LARS": 0.1, "Nesterov": 0.1}
-    assert len(runs) == 20
-    assert {(r["label"], r["batch_size"], r["factor"]) for r in runs} == {
-        (label, b, f) for label in labels for b in (512, 1347) for f in (0.5, 1.0)
-    }
-    for run in runs:
-        assert run["epochs_run"] == 2
-        assert run["steps_per_epoch"] == 1347 // run["batch_size"]
-        assert run["learning_rate"] == pytest.approx(
-            base.get(run["label"], 0.001) * run["batch_size"] / 32 * run["factor"]
-        )
-        assert 0.0 <= run["test_accuracy"] <= 1.0
-    table = (run_dir / "table.md").read_text().strip()
-    assert table in out
-    summary = summarize([512, 1347], labels, runs)
-    assert format_table([512, 1347], labels, summary, 2) == table
-    assert sum(out.count(f"] {label} ") for label in labels) == 20  # progress lines
-    assert "[20/20]" in out
-    _assert_png(run_dir / "sweep.png")
 
 
 # ------------------------------------------------------------------ bench
@@ -848,7 +694,7 @@ def test_bench_is_not_a_command_of_the_installed_command_line(run_cli):
     assert out == ""
     assert err.splitlines()[-1] == (
         "tf-lars: error: argument COMMAND: invalid choice: 'bench' "
-        "(choose from 'train', 'sweep', 'lowcomm')"
+        "(choose from 'train', 'study', 'lowcomm')"
     )
     assert "Traceback" not in err
 
@@ -883,7 +729,7 @@ HELP_PROBE = textwrap.dedent(
     [
         ([], "usage: tf-lars [-h] [--tf-log] COMMAND"),
         (["train"], "usage: tf-lars train [-h] [--config FILE] [--set KEY=VALUE]"),
-        (["sweep"], "usage: tf-lars sweep [-h] [--config FILE] [--set KEY=VALUE]"),
+        (["study"], "usage: tf-lars study [-h] [--config FILE] [--set KEY=VALUE]"),
     ],
 )
 def test_help_does_not_import_tensorflow(args, expected, tmp_path):

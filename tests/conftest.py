@@ -150,7 +150,7 @@ PARTS = {
         "cli_lowcomm",
         "cli_plots",
         "cli_safety",
-        "cli_sweep_hostile",
+        "cli_study",
         "cli",
     ],
     "project": [
@@ -206,15 +206,14 @@ SECOND_TIER_TESTS = {
         "test_two_runs_started_together_with_one_name",
         "test_a_full_disk_is_one_line_and_leaves_no_partial_file",
     },
+    "cli_study_test.py": {
+        "test_two_processes_share_one_study",
+        "test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes",
+    },
     "cli_safety_test.py": {
-        "test_ctrl_c_in_sweep_keeps_the_finished_trainings_and_their_table",
         "test_ctrl_c_in_train_keeps_the_config_and_history",
     },
-    "cli_sweep_hostile_test.py": {
-        "test_a_killed_worker_ends_the_sweep_with_the_finished_trainings_kept",
-    },
     "cli_test.py": {
-        "test_sweep_end_to_end_in_two_processes",
         "test_console_script_train_writes_no_tensorflow_log_lines",
         "test_tf_log_leaves_tensorflow_logging_on",
     },

@@ -128,7 +128,7 @@ _COMMAND = re.compile(
 
 def test_no_text_shows_a_tf_lars_command_the_cli_lacks():
     commands = _cli_commands()
-    assert {"train", "sweep"} <= commands
+    assert {"train", "study"} <= commands
     comments = "\n".join(
         line.split("#", 1)[1] for line in PYPROJECT_TEXT.splitlines() if "#" in line
     )

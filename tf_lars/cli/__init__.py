@@ -1,9 +1,9 @@
-"""The `tf-lars` command line (`pip install ".[cli]"`): train, sweep.
+"""The `tf-lars` command line (`pip install ".[cli]"`): train, study, lowcomm.
 
 Modules: `main` (the argparse entry, `tf-lars = tf_lars.cli.main:main`),
 `config` (YAML defaults, merging, pydantic validation), `preflight`, `data`,
-`train`, `sweep` and `plots`. Only `main` and this module load for
-`tf-lars --help`: neither imports TensorFlow. A command calls
+`train`, `study` (with `nqm`), `lowcomm` and `plots`. Only `main` and this
+module load for `tf-lars --help`: neither imports TensorFlow. A command calls
 `set_tensorflow_log_level` and then `import_tensorflow` before anything else.
 
 The package may import `tf_lars` and `tf_lars.distribute`; nothing there
@@ -14,10 +14,12 @@ imports it. Its quiet start (the levels here) needs nothing from
 import logging
 import os
 import sys
+import time
 
 __all__ = ["import_tensorflow", "quiet_python_logs", "set_tensorflow_log_level"]
 
 LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+STARTED = time.perf_counter()  # the command's start: a study times its preparation
 
 
 def set_tensorflow_log_level(tf_log=False):

@@ -189,7 +189,7 @@ def _user_config(path):
 
 
 def default_config_path(command):
-    """The default config file of `command` ("train" or "sweep").
+    """The default config file of `command` ("train", "study" or "lowcomm").
 
     Installed, it is the package data `tf_lars/cli/configs/<command>.yaml`;
     in a source checkout (no such package data), the repository's
@@ -291,7 +291,7 @@ class Model(_Block):
 
 
 class _Common(_Block):
-    """Keys that `train` and `sweep` configs share, in this order."""
+    """Keys that every command's config shares, in this order."""
 
     seed: _int(0, MAX_SEED)
     output_dir: Annotated[pydantic.StrictStr, pydantic.AfterValidator(_path_text)] = (
@@ -379,31 +379,62 @@ class TrainConfig(_Common):
     distribute: Distribute
 
 
-class SweepTraining(_Block):
-    epochs: _int(1)
+class StudyTraining(_Block):
     jit_compile: pydantic.StrictBool | Literal["auto"]
 
 
-class Sweep(_Block):
-    batch_sizes: pydantic.conlist(_BATCH, min_length=1)
-    base_batch_size: _int(1)
-    grid_factors: pydantic.conlist(_POSITIVE, min_length=1)
+class Mnist1d(_Block):
+    num_samples: _int(100)
+
+
+class Nqm(_Block):
+    dimensions: _int(1)
+    max_steps: _int(1)
+
+
+def _range(low=0.0):
+    """A search range `[low, high]`, or null: not searched."""
+    bound = pydantic.confloat(strict=True, allow_inf_nan=False, ge=low)
+    return pydantic.conlist(bound, min_length=2, max_length=2) | None
+
+
+class Study(_Block):
+    batch_sizes: pydantic.conlist(_int(1), min_length=1)
+    trials: _int(1)
+    seeds: _int(1)
+    target: _POSITIVE
+    max_steps: _int(1)
+    eval_every: _int(1)
+    schedule: Literal["linear_decay", "constant"]
+    storage: pydantic.StrictStr | None
     workers: _int(1) | Literal["auto"]
+    confidence: pydantic.confloat(strict=True, gt=0.0, lt=1.0)
+    resamples: _int(100)
 
 
-class SweepOptimizer(_Block):
+class Search(_Block):
+    one_minus_momentum: _range()
+    warmup_share: _range()
+    weight_decay: _range()
+
+
+class StudyOptimizer(_Block):
     label: pydantic.StrictStr
-    base_learning_rate: _POSITIVE
+    learning_rate: pydantic.conlist(_POSITIVE, min_length=2, max_length=2)
     optimizer: OptimizerBlock = _optimizer()
 
 
-class SweepConfig(_Common):
-    """A `tf-lars sweep` config."""
+class StudyConfig(_Common):
+    """A `tf-lars study` config."""
 
-    training: SweepTraining
-    schedule: _Schedule
-    sweep: Sweep
-    optimizers: pydantic.conlist(SweepOptimizer, min_length=1)
+    workload: Literal["nqm", "mnist1d", "data"]
+    validation_fraction: pydantic.confloat(strict=True, gt=0.0, lt=1.0)
+    mnist1d: Mnist1d
+    nqm: Nqm
+    training: StudyTraining
+    study: Study
+    search: Search
+    optimizers: pydantic.conlist(StudyOptimizer, min_length=1)
 
 
 class LowcommTraining(_Block):
@@ -424,7 +455,7 @@ class LowcommConfig(_Common):
     async_outer_optimizer: OptimizerBlock = _optimizer()
 
 
-SCHEMAS = {"train": TrainConfig, "sweep": SweepConfig, "lowcomm": LowcommConfig}
+SCHEMAS = {"train": TrainConfig, "study": StudyConfig, "lowcomm": LowcommConfig}
 
 
 def _rule(kind, metadata=()):
@@ -567,9 +598,12 @@ def apply_overrides(config, overrides):
     return config
 
 
-def load_config(command, path=None, overrides=()):
-    """Default config of `command`, merged with `path`, then `overrides`."""
+def load_config(command, path=None, overrides=(), preset=None):
+    """Default config of `command`, merged with the `preset` file of configs/
+    (e.g. "study-quick"), with `path`, then `overrides`."""
     config = default_config(command)
+    if preset is not None:
+        config = _merge(config, default_config(preset))
     if path is not None:
         config = _merge(config, _user_config(os.fspath(path)))
     return validate_config(command, apply_overrides(config, overrides))

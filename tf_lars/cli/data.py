@@ -90,6 +90,39 @@ def synthetic_data(seed):
     return _finish(x[:cut], y[:cut], x[cut:], y[cut:], None, source, "synthetic")
 
 
+def load_mnist1d(num_samples, seed):
+    """mnist1d (Greydanus 2020), generated here by the `mnist1d` package.
+
+    `make_dataset(get_dataset_args())` with `num_samples` examples and
+    `seed`: NumPy only, nothing downloaded; the package keeps 20% as the
+    test set. 40 features, 10 classes.
+    """
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    arguments = get_dataset_args()
+    arguments.num_samples, arguments.seed = num_samples, seed
+    made = make_dataset(arguments)
+    source = f"mnist1d, {num_samples} examples generated with seed {seed}"
+    return _finish(
+        made["x"], made["y"], made["x_test"], made["y_test"], 10, source, "mnist1d"
+    )
+
+
+def split_validation(data, fraction, seed):
+    """`(training, validation)`: `fraction` of the training set held out,
+    stratified by class; both keep the test set."""
+    from sklearn.model_selection import train_test_split
+
+    x_train, x_val, y_train, y_val = train_test_split(
+        data.x_train,
+        data.y_train,
+        test_size=fraction,
+        random_state=seed,
+        stratify=data.y_train,
+    )
+    return data._replace(x_train=x_train, y_train=y_train), (x_val, y_val)
+
+
 def _load_npz(data_config):
     path = data_config["path"]
     where = f"data.path={path}"

@@ -1,4 +1,4 @@
-"""The `tf-lars` command line: `train`, `sweep` and `lowcomm`.
+"""The `tf-lars` command line: `train`, `study` and `lowcomm`.
 
 `tf-lars [--tf-log] COMMAND [--config FILE] [--set key=value ...] [--overwrite]`;
 `--help` says what each command does and docs/guides/cli.md gives every
@@ -26,11 +26,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as shells report a SIGTERM
 # Top-level modules of the `cli` extra (pyproject.toml), which brings the
 # `tensorflow` extra too.
-_CLI_EXTRA = ("yaml", "pydantic", "matplotlib", "sklearn", "rich", "tensorflow", "absl")
+_CLI_EXTRA = (
+    "yaml", "pydantic", "matplotlib", "sklearn", "rich", "tensorflow", "absl",
+    "optuna", "mnist1d", "requests",
+)  # fmt: skip
 
 _DESCRIPTION = (
     "Large-batch training experiments with tf_lars (LARS for Keras 3): "
-    "train one model or sweep batch sizes. (The optimizer step benchmarks are "
+    "train one model, or study steps to a target against batch size per "
+    "optimizer. (The optimizer step benchmarks are "
     "benchmarks/bench.py of a source checkout.)"
 )
 _TF_LOG = "--tf-log"
@@ -52,10 +56,12 @@ def _parser():
             "folder (config, history, model, plots)",
         ),
         (
-            "sweep",
-            "train each optimizer of the config (by default SGD-momentum, LARS, "
-            "Nesterov, AdamW and LAMB) across batch sizes and learning rates; "
-            "print a table and save a plot",
+            "study",
+            "steps to a target against batch size for each optimizer of the "
+            "config (by default Nesterov, AdamW, LARS and LAMB), each tuned with "
+            "the same number of quasi-random Optuna trials; the fit of "
+            "S(B) = S_min + E_min/B, B_crit and the gradient noise scale; a "
+            "report, tables and plots",
         ),
         (
             "lowcomm",
@@ -88,7 +94,26 @@ def _parser():
         command.add_argument(
             _TF_LOG, action="store_true", default=argparse.SUPPRESS, help=_TF_LOG_HELP
         )
+        if name == "study":
+            command.add_argument(
+                "--quick",
+                action="store_true",
+                help="merge configs/study-quick.yaml first: a small study of the "
+                "noisy quadratic model (seconds)",
+            )
     return parser
+
+
+def _removed_command(argv):
+    """The one-line error of a command that is gone, or None."""
+    words = [word for word in argv if not word.startswith("-")]
+    if words[:1] == ["sweep"]:
+        return _error(
+            "sweep",
+            "`tf-lars sweep` was removed; use `tf-lars study` (steps to a target "
+            "against batch size, each optimizer tuned by Optuna; its --help says more)",
+        )
+    return None
 
 
 def _error(command, message):
@@ -256,6 +281,9 @@ def main(argv=None):
         0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    removed = _removed_command(argv)
+    if removed is not None:
+        return removed
     try:
         arguments = _parser().parse_args(argv)
     except SystemExit as exit_request:
@@ -323,16 +351,20 @@ def _run(arguments):
     from tf_lars.distribute.tf_config import TFConfigError
 
     try:
-        config = load_config(arguments.command, arguments.config, arguments.overrides)
+        preset = "study-quick" if getattr(arguments, "quick", False) else None
+        config = load_config(
+            arguments.command, arguments.config, arguments.overrides, preset
+        )
         # Everything that needs no TensorFlow is checked before it is imported
         # (seconds), so a mistake is reported at once.
         from tf_lars.cli.preflight import preflight
 
         data, folder = preflight(arguments.command, config, arguments.overwrite)
-        from tf_lars.cli import import_tensorflow
+        if config.get("workload") != "nqm":  # the NQM is NumPy alone
+            from tf_lars.cli import import_tensorflow
 
-        import_tensorflow()
-        quiet_python_logs()
+            import_tensorflow()
+            quiet_python_logs()
         command = importlib.import_module(f"tf_lars.cli.{arguments.command}")
         return command.run(config, data, folder, arguments.overwrite)
     except (ConfigError, DataError, TFConfigError) as error:

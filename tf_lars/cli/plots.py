@@ -99,72 +99,6 @@ def plot_trust_ratios(paths, epochs, trust_ratios, path):
     _save(figure, path)
 
 
-def sweep_zoom_range(series, window=10.0):
-    """The y range (%) of the sweep plot's zoom panel, or None for no zoom.
-
-    The zoom shows the runs that trained (not collapsed or diverged) within
-    `window` points of the best one, with a point of margin, capped at 100.
-    None when no run trained, or when the range would be the whole 0-100.
-    """
-    trained = [
-        100 * float(accuracy)
-        for _, accuracies, bad, _ in series
-        for accuracy, failed in zip(accuracies, bad, strict=True)
-        if not failed and math.isfinite(float(accuracy))
-    ]
-    if not trained:
-        return None
-    top = max(trained)
-    low = min(value for value in trained if value >= top - window)
-    low, high = max(0.0, math.floor(low) - 1.0), min(100.0, math.ceil(top) + 1.0)
-    if low <= 0.0 and high >= 100.0:
-        return None
-    return low, high
-
-
-def plot_sweep(batch_sizes, series, path, title):
-    """Test accuracy against batch size: all runs, and a zoom on the best."""
-    zoom = sweep_zoom_range(series)
-    figure, panels = plt.subplots(
-        1, 2 if zoom else 1, figsize=(11, 4.5) if zoom else (7, 4.5), squeeze=False
-    )
-    panels = list(panels[0])
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, (label, accuracies, diverged, style) in enumerate(series):
-        accuracies = 100 * np.asarray(accuracies, dtype=np.float64)
-        color = colors[(index // 2) % len(colors)]
-        bad = np.asarray(diverged, dtype=bool)
-        for axes in panels:
-            axes.plot(
-                batch_sizes, accuracies, style, color=color, marker="o", label=label
-            )
-            if bad.any():
-                axes.plot(
-                    np.asarray(batch_sizes)[bad],
-                    accuracies[bad],
-                    "x",
-                    color="red",
-                    markersize=10,
-                    markeredgewidth=2,
-                )
-    for axes in panels:
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(batch_sizes)
-        axes.set_xticklabels([str(b) for b in batch_sizes])
-        axes.set_xlabel("batch size")
-        axes.set_ylabel("test accuracy (%)")
-        axes.grid(alpha=0.3)
-    panels[0].set_ylim(0, 100)
-    panels[0].set_title("All runs (red x: collapsed to chance or NaN loss)")
-    if zoom:
-        panels[1].set_ylim(*zoom)
-        panels[1].set_title(f"Zoom: {zoom[0]:g}-{zoom[1]:g}%")
-    panels[-1].legend(fontsize=8, loc="lower left")
-    figure.suptitle(title, fontsize=10)
-    _save(figure, path)
-    return figure
-
-
 def plot_communication(rows, path):
     """Test accuracy against the bytes each worker communicated (log x): a
     colour per method, a marker and line style per M; AGN's and DiLoCo's
@@ -202,3 +136,68 @@ def plot_communication(rows, path):
     axes.legend(fontsize=7, ncol=2)
     axes.grid(alpha=0.3)
     _save(figure, path)
+
+
+def plot_steps_to_result(rows, fits, path):
+    """Steps to the target against batch size, log-log, per optimizer: the
+    reruns' mean with its interval, the fit S_min + E_min/B, perfect scaling
+    from the smallest batch (dotted) and B_crit (a vertical line)."""
+    figure, axes = plt.subplots(figsize=(7, 5))
+    for index, (label, fit) in enumerate(fits.items()):
+        color = f"C{index}"
+        mine = [r for r in rows if r["optimizer"] == label]
+        if not mine:
+            continue
+        batches = np.array([r["batch_size"] for r in mine], float)
+        steps = np.array([r["steps"] for r in mine])
+        low, high = np.array([r["steps_interval"] for r in mine]).T
+        reached = np.array([r["reached"] for r in mine])
+        axes.errorbar(
+            batches, steps, yerr=[steps - low, high - steps], fmt="o", color=color,
+            label=label, capsize=3,
+        )  # fmt: skip
+        if (~reached).any():
+            axes.plot(batches[~reached], steps[~reached], "x", color="red", ms=10)
+        axes.plot(batches, steps[0] * batches[0] / batches, ":", color=color)
+        if math.isfinite(fit["s_min"]):
+            grid = np.geomspace(batches.min(), batches.max(), 100)
+            axes.plot(grid, fit["s_min"] + fit["e_min"] / grid, "-", color=color)
+            if math.isfinite(fit["b_crit"]) and fit["b_crit"] > 0:
+                axes.axvline(fit["b_crit"], color=color, ls="--", alpha=0.5)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("batch size")
+    axes.set_ylabel("steps to the target")
+    axes.set_title(
+        "Steps to result: mean of reruns (bars: interval; red x: not reached);\n"
+        "line: S_min + E_min/B, dotted: perfect scaling, dashed: B_crit",
+        fontsize=9,
+    )
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3, which="both")
+    _save(figure, path)
+    return figure
+
+
+def plot_selected_curves(rows, target, metric, path):
+    """The selected trial's validation curve of every unit: one panel per
+    optimizer, one line per batch size, the target dashed."""
+    labels = list(dict.fromkeys(r["optimizer"] for r in rows)) or ["(none)"]
+    figure, panels = plt.subplots(
+        1, len(labels), figsize=(4 * len(labels), 3.6), squeeze=False, sharey=True
+    )
+    for axes, label in zip(panels[0], labels, strict=True):
+        for row in (r for r in rows if r["optimizer"] == label):
+            curve = np.asarray(row["curve"], float).reshape(-1, 2)
+            axes.plot(curve[:, 0], curve[:, 1], label=f"B={row['batch_size']}")
+        axes.axhline(target, color="black", ls="--", lw=1)
+        axes.set_xscale("log")
+        axes.set_xlabel("step")
+        axes.set_title(label)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    panels[0][0].set_ylabel(metric)
+    if metric == "expected loss":
+        panels[0][0].set_yscale("log")
+    _save(figure, path)
+    return figure

@@ -1,4 +1,4 @@
-"""The checks of a `train` or `sweep` config that need no TensorFlow.
+"""The checks of a command's config that need no TensorFlow.
 
 `tf-lars` runs them before it imports TensorFlow (which takes seconds), so a
 config, data or output-folder mistake is reported at once: the data is
@@ -29,8 +29,9 @@ RUN_FILES = {
         "curves.png", "learning_rate.png", "trust_ratio.png", "trust_ratios.npz",
         "tensorboard", "INTERRUPTED", "backup",
     ),
-    "sweep": (
-        "config.yaml", "results.json", "table.md", "sweep.png", "INTERRUPTED",
+    "study": (
+        "config.yaml", "study.db", "results.json", "results.csv", "report.md",
+        "steps.png", "curves.png", "INTERRUPTED",
     ),
     "lowcomm": (
         "config.yaml", "results.json", "table.md", "lowcomm.png", "INTERRUPTED",
@@ -41,6 +42,13 @@ INTERRUPTED_NOTE = "INTERRUPTED"
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, caught by a command; the message says what its folder keeps."""
+
+
+def available_cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def interruption_name(interrupt):
@@ -394,22 +402,88 @@ def check_train(config, data):
         )
 
 
-def check_sweep(config, data):
-    check_model_input(config["model"], data.x_train.shape[1:])
+def check_study(config):
+    """Refuses search ranges that are empty or out of their domain, repeated
+    labels, and optimizers the NQM has no closed form for."""
+    ranges = [
+        (f"optimizers.{i}.learning_rate", e["learning_rate"], True, None)
+        for i, e in enumerate(config["optimizers"])
+    ]
+    search = config["search"]
+    ranges += [("search.one_minus_momentum", search["one_minus_momentum"], True, 1.0),
+               ("search.warmup_share", search["warmup_share"], False, 0.99),
+               ("search.weight_decay", search["weight_decay"], True, None)]  # fmt: skip
+    for key, bounds, log, top in ranges:
+        if bounds is None:
+            continue
+        low, high = bounds
+        if low > high or (log and low <= 0) or (top is not None and high > top):
+            rule = "> 0" if log else ">= 0"
+            rule += f" and the high end <= {top}" if top is not None else ""
+            raise ConfigError(
+                f"`{key}` must be [low, high] with low <= high, low {rule}. "
+                f"Received: {key}={bounds!r}",
+                key=key,
+            )
     labels = [entry["label"] for entry in config["optimizers"]]
     for label in labels:
         if labels.count(label) > 1:
             raise ConfigError(
                 f"`optimizers.*.label` must be unique. Received: label={label!r} twice"
             )
-    num_train = len(data.x_train)
-    for index, batch_size in enumerate(config["sweep"]["batch_sizes"]):
-        batch_size = resolve_batch_size(
-            batch_size, num_train, f"sweep.batch_sizes.{index}"
+    if config["workload"] == "nqm":
+        for index, entry in enumerate(config["optimizers"]):
+            name = entry["optimizer"]["class_name"]
+            if name != "SGD":
+                raise ConfigError(
+                    f"`optimizers.{index}.optimizer.class_name` must be SGD with "
+                    "workload nqm (its closed form covers SGD, with or without "
+                    f"Nesterov momentum). Received: class_name={name!r}",
+                    key=f"optimizers.{index}.optimizer.class_name",
+                )
+    elif config["study"]["target"] > 1:
+        raise ConfigError(
+            "`study.target` is a validation accuracy and must be at most 1. "
+            f"Received: study.target={config['study']['target']!r}",
+            key="study.target",
         )
-        check_warmup(
-            config["schedule"], num_train // batch_size, config["training"]["epochs"]
+
+
+def study_data(config):
+    """`(training, (x_validation, y_validation))` of a study, or None (NQM)."""
+    from tf_lars.cli.data import load_data, load_mnist1d, split_validation
+
+    if config["workload"] == "nqm":
+        return None
+    if config["workload"] == "mnist1d":
+        data = load_mnist1d(
+            config["mnist1d"]["num_samples"], config["data"]["split_seed"]
         )
+    else:
+        data = load_data(config["data"])
+    check_model_input(config["model"], data.x_train.shape[1:])
+    fraction, seed = config["validation_fraction"], config["data"]["split_seed"]
+    try:
+        training, validation = split_validation(data, fraction, seed)
+    except ValueError as error:  # too few examples of a class to split
+        raise ConfigError(f"`validation_fraction`: {error}") from None
+    for index, batch in enumerate(config["study"]["batch_sizes"]):
+        resolve_batch_size(batch, len(training.x_train), f"study.batch_sizes.{index}")
+    return training, validation
+
+
+def _resumes(config, overwrite):
+    """Whether a named study's folder holds this same study (its config.yaml
+    is this config): then it is taken again, its trials kept."""
+    from tf_lars.cli.config import dump_config
+
+    if overwrite or config["run_name"] is None:
+        return False
+    try:
+        with open(os.path.join(run_dir(config, "study"), "config.yaml")) as handle:
+            return handle.read() == dump_config(config)
+    except OSError:
+        return False
 
 
 def check_lowcomm(config, data):
@@ -430,13 +504,19 @@ def preflight(command, config, overwrite=False):
     """Every check of a validated config that needs no TensorFlow."""
     from tf_lars.cli.data import load_data, synthetic_data
 
+    if command == "study":
+        check_study(config)
+        data = study_data(config)
+        resume = _resumes(config, overwrite)
+        folder = claim_run_dir(config, command, overwrite or resume)
+        if not resume:
+            open_run_dir(folder, command)
+        return data, folder
     if command == "lowcomm" and config["problem"] == "synthetic":
         data = synthetic_data(config["seed"])
     else:
         data = load_data(config["data"])
-    {"train": check_train, "sweep": check_sweep, "lowcomm": check_lowcomm}[command](
-        config, data
-    )
+    {"train": check_train, "lowcomm": check_lowcomm}[command](config, data)
     multi_worker = command == "train" and (
         config["distribute"]["strategy"] in CLUSTER_STRATEGIES
     )

@@ -1,11 +1,11 @@
-"""`tf-lars train`, and the one training run it shares with `tf-lars sweep`.
+"""`tf-lars train`, and the one training run it shares with `tf-lars study`.
 
-`tf-lars train` and every grid point of `tf-lars sweep` go through
-`build_trial` (seed, model, and the optimizer built once from its checked
-block) and `fit_once`, so the two commands train exactly the same way. `run`
-is the `train` command, one pass: distribution and batch, the learning rate
-resolved once for the global batch (`learning_rate_for`), `build_trial`,
-`fit_once`, then the run folder's files.
+`tf-lars train` and every trial of `tf-lars study` go through
+`trial_from_config` (seed, model, the optimizer built once from its checked
+block, its learning rate resolved for the global batch) and `fit_once`, so
+the two commands train exactly the same way (`fit_config` is the study's
+call). `run` is the `train` command, one pass: distribution and batch,
+`trial_from_config`, `fit_once`, then the run folder's files.
 
 `train` also runs distributed (the `distribute` block): `make_distribution`
 creates the strategy, `training.batch_size` is per replica, and the global
@@ -351,7 +351,7 @@ class _StopOnNonFinite(keras.callbacks.Callback):
     """Stops at the first non-finite training loss and remembers the epoch.
 
     Not `keras.callbacks.TerminateOnNaN`, which stops the same way but
-    prints a line at every stop (into `tf-lars sweep`'s table, from its
+    prints a line at every stop (into `tf-lars study`'s progress, from its
     workers) and keeps no epoch.
     """
 
@@ -617,6 +617,53 @@ def learning_rate_for(config, learning_rate, batch_size, steps_per_epoch):
     return build_schedule(schedule_config, learning_rate, steps_per_epoch, epochs)
 
 
+def trial_from_config(config, data, global_batch, strategy=None):
+    """`build_trial` of a `train` config: the optimizer block checked, its
+    learning rate resolved for `global_batch` (`learning_rate_for`)."""
+    spec = optimizer_spec(config["optimizer"])
+    return build_trial(
+        data,
+        model_config=config["model"],
+        optimizer=spec,
+        learning_rate=learning_rate_for(
+            config, spec.learning_rate, global_batch, len(data.x_train) // global_batch
+        ),
+        batch_size=global_batch,
+        seed=config["seed"],
+        precision=config["training"]["precision"],
+        loss_scale_config=config["loss_scale"],
+        strategy=strategy,
+    )
+
+
+def fit_config(config, data, callbacks=(), noise_scale=False):
+    """One run of a `train` config on one device, silently: the training
+    `tf-lars train` runs (`trial_from_config`, `fit_once`), which `tf-lars
+    study` runs for each trial. `fit_once`'s result.
+
+    With `noise_scale` (an even batch), the optimizer is wrapped in
+    `tf_lars.GradientNoiseScale` over two micro-batches of half the batch:
+    the same updates (their mean gradient is the batch's), and the result's
+    `optimizer.b_simple` is the gradient noise scale at the end.
+    """
+    training = config["training"]
+    batch = global_batch_size(training["batch_size"], len(data.x_train), 1)[1]
+    trial = trial_from_config(config, data, batch)
+    if noise_scale:
+        batch //= 2
+        trial["optimizer"] = tf_lars.GradientNoiseScale(
+            trial["optimizer"], batch_size=batch, gradient_accumulation_steps=2
+        )
+    return fit_once(
+        data,
+        trial,
+        batch_size=batch,
+        epochs=training["epochs"],
+        jit_compile=training["jit_compile"],
+        callbacks=callbacks,
+    )
+
+
 # ------------------------------------------------------------ the command
 def _describe_distribution(distribution):
     if distribution.name == "mirrored":
@@ -759,20 +806,7 @@ def run(config, data=None, folder=None, overwrite=False):
     sizes = global_batch_size(config["training"]["batch_size"], num_train, replicas)
     if distribution.strategy is not None and distribution.coordinator is None:
         evaluation_batch_size(len(data.x_test), replicas, "test set")
-    spec = optimizer_spec(config["optimizer"])
-    trial = build_trial(
-        data,
-        model_config=config["model"],
-        optimizer=spec,
-        learning_rate=learning_rate_for(
-            config, spec.learning_rate, sizes[1], num_train // sizes[1]
-        ),
-        batch_size=sizes[1],
-        seed=config["seed"],
-        precision=config["training"]["precision"],
-        loss_scale_config=config["loss_scale"],
-        strategy=distribution.strategy,
-    )
+    trial = trial_from_config(config, data, sizes[1], distribution.strategy)
     if distribution.exchange is not None:
         block = _strategy_block(config, "diloco")
         trial["optimizer"] = _diloco(block, trial["optimizer"])
