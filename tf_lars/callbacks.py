@@ -65,8 +65,24 @@ class _ScalarLogger(keras.callbacks.Callback):
             self.writer, self._owns_writer = None, False
 
 
+class _EpochEndLogger(_ScalarLogger):
+    """Writes `current_values()` into `logs` (and TensorBoard) at each epoch end."""
+
+    def __init__(self, log_dir=None, writer=None, prefix=""):
+        super().__init__(log_dir, writer, prefix)
+
+    def on_epoch_end(self, epoch, logs=None):
+        values = self.current_values()
+        if logs is not None:
+            logs.update(values)
+        self._write_scalars(values, epoch)
+
+    def get_config(self):
+        return {"log_dir": self.log_dir, "prefix": self.prefix}
+
+
 @keras.saving.register_keras_serializable(package="tf_lars")
-class LossScaleMonitor(_ScalarLogger):
+class LossScaleMonitor(_EpochEndLogger):
     """Logs the loss scale and the count of skipped steps at each epoch end.
 
     Adds `logs[prefix + "loss_scale"]` (the current loss scale, a float) and
@@ -99,9 +115,6 @@ class LossScaleMonitor(_ScalarLogger):
         ```
     """
 
-    def __init__(self, log_dir=None, writer=None, prefix=""):
-        super().__init__(log_dir, writer, prefix)
-
     def _optimizers(self):
         optimizer = getattr(self.model, "optimizer", None)
         if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -119,15 +132,6 @@ class LossScaleMonitor(_ScalarLogger):
         if hasattr(optimizer, "skipped_steps"):
             values[self.prefix + "skipped_steps"] = int(optimizer.skipped_steps)
         return values
-
-    def on_epoch_end(self, epoch, logs=None):
-        values = self.current_values()
-        if logs is not None:
-            logs.update(values)
-        self._write_scalars(values, epoch)
-
-    def get_config(self):
-        return {"log_dir": self.log_dir, "prefix": self.prefix}
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
@@ -273,7 +277,7 @@ class TrustRatioMonitor(_ScalarLogger):
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")
-class GradientNoiseScaleMonitor(_ScalarLogger):
+class GradientNoiseScaleMonitor(_EpochEndLogger):
     """Logs `tf_lars.GradientNoiseScale`'s measurement at each epoch end.
 
     Adds `logs[prefix + "gradient_noise_scale"]` (`B_simple`, in examples),
@@ -305,9 +309,6 @@ class GradientNoiseScaleMonitor(_ScalarLogger):
         ```
     """
 
-    def __init__(self, log_dir=None, writer=None, prefix=""):
-        super().__init__(log_dir, writer, prefix)
-
     def _optimizers(self):
         from tf_lars.noise_scale import GradientNoiseScale
 
@@ -331,12 +332,3 @@ class GradientNoiseScaleMonitor(_ScalarLogger):
             self.prefix + "gradient_norm_squared": optimizer.gradient_norm_squared,
             self.prefix + "trace_covariance": optimizer.trace_covariance,
         }
-
-    def on_epoch_end(self, epoch, logs=None):
-        values = self.current_values()
-        if logs is not None:
-            logs.update(values)
-        self._write_scalars(values, epoch)
-
-    def get_config(self):
-        return {"log_dir": self.log_dir, "prefix": self.prefix}
