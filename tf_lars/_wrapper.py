@@ -185,3 +185,26 @@ class InnerOptimizerWrapper:
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+
+class InnerOwnsTheRate:
+    """Mixin for a wrapper whose inner optimizer owns the learning rate and
+    whose variables are its own followed by the inner optimizer's
+    (`TrustRatio`, `GradientNoiseScale`). Put it before
+    `keras.optimizers.Optimizer` in the bases."""
+
+    @property
+    def variables(self):
+        return super().variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        # Called once by the base constructor, before `inner_optimizer` is set.
+        if getattr(self, "inner_optimizer", None) is None:
+            keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
+            return
+        self.inner_optimizer.learning_rate = learning_rate

@@ -11,7 +11,12 @@ import keras
 from keras import ops
 
 from tf_lars import _validation
-from tf_lars._wrapper import InnerOptimizerWrapper, gradient_as_tensor, require_built
+from tf_lars._wrapper import (
+    InnerOptimizerWrapper,
+    InnerOwnsTheRate,
+    gradient_as_tensor,
+    require_built,
+)
 from tf_lars.backend import BackendSubclass
 
 __all__ = ["GradientNoiseScale"]
@@ -35,7 +40,7 @@ def _check_inner(inner_optimizer):
 
 @keras.saving.register_keras_serializable(package="tf_lars")
 class GradientNoiseScale(
-    BackendSubclass, InnerOptimizerWrapper, keras.optimizers.Optimizer
+    BackendSubclass, InnerOptimizerWrapper, InnerOwnsTheRate, keras.optimizers.Optimizer
 ):
     """Measures the simple gradient noise scale `B_simple` while training.
 
@@ -137,25 +142,9 @@ class GradientNoiseScale(
             setattr(self, name, variable)
 
     @property
-    def variables(self):
-        return super().variables + self.inner_optimizer.variables
-
-    @property
     def iterations(self):
         """The inner optimizer's step count (updates, not micro-batches)."""
         return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        # Called once by the base constructor, before `inner_optimizer` is set.
-        if getattr(self, "inner_optimizer", None) is None:
-            keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
-            return
-        self.inner_optimizer.learning_rate = learning_rate
 
     def _corrected(self, name):
         """The moving average `name` over `1 - beta**updates`; NaN before."""

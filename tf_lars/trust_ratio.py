@@ -44,7 +44,7 @@ from tf_lars._validation import (
     check_inner_optimizer,
     check_number,
 )
-from tf_lars._wrapper import InnerOptimizerWrapper
+from tf_lars._wrapper import InnerOptimizerWrapper, InnerOwnsTheRate
 from tf_lars.backend import BackendSubclass
 
 __all__ = ["TrustRatio"]
@@ -132,6 +132,7 @@ class TrustRatio(
     InnerOptimizerWrapper,
     ShapeCheckedApply,
     LayerwiseExclusions,
+    InnerOwnsTheRate,
     keras.optimizers.Optimizer,
 ):
     """A layer-wise trust ratio around any Keras optimizer.
@@ -278,22 +279,6 @@ class TrustRatio(
     def epsilon(self):
         """The `epsilon` of the ratio's denominator."""
         return self._trust_epsilon
-
-    @property
-    def variables(self):
-        return super().variables + self.inner_optimizer.variables
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        # Called once by the base constructor, before `inner_optimizer` is set.
-        if getattr(self, "inner_optimizer", None) is None:
-            keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
-            return
-        self.inner_optimizer.learning_rate = learning_rate
 
     def _apply_weight_decay(self, variables):
         # The decay is inside the ratio (step 2 (decay)); never the base class's.
