@@ -1,5 +1,6 @@
 """`tf-lars lowcomm`: the simulated methods against each other where the
-rules say they agree, the bytes counted, the table, and the command."""
+rules say they agree, the bytes and the simulated clock counted by hand, the
+table, and the command (tuning, reruns, resume, Ctrl-C)."""
 
 import json
 import os
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 
 from tf_lars.cli.data import synthetic_data
-from tf_lars.cli.lowcomm import format_table, plan, run_one
+from tf_lars.cli.lowcomm import format_table, local_steps, simulate, units
+from tf_lars.distribute.diloco import all_gather_bytes, all_reduce_bytes
+
+EQUAL = {"name": "equal", "step_times": [1.0], "dynamic_local_updates": False}
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +34,45 @@ def _sgd(rate, momentum=0.0):
     }
 
 
-def _settings(inner, outer, async_outer=None, steps=12):
+def _config(inner, outer, async_outer=None, steps=12, speeds=(EQUAL,)):
     return {
-        "seed": 3,
-        "steps": steps,
-        "batch_size": 16,
         "model": {"name": "mlp", "width": 8},
-        "inner": inner,
-        "outer": outer,
-        "async_outer": async_outer or outer,
+        "training": {"steps": steps, "batch_size": 16},
+        "speeds": list(speeds),
+        "inner_optimizer": inner,
+        "outer_optimizer": outer,
+        "async_outer_optimizer": async_outer or outer,
     }
+
+
+def _run(data, config, method, workers, sync_every, speeds="equal", seed=3):
+    unit = (
+        method,
+        workers,
+        sync_every,
+        speeds if method in ("agn", "async_diloco") else None,
+    )
+    validation = (data.x_test, data.y_test)
+    return simulate(config, data, validation, unit, {}, seed, test=True)
+
+
+def _weights(data, config, *unit):
+    # The evaluated weights: `simulate` leaves them in worker 0's model.
+    from tf_lars.cli import lowcomm
+
+    kept = {}
+    real = lowcomm._accuracy
+
+    def keep(model, weights, x, y):
+        kept["weights"] = weights
+        return real(model, weights, x, y)
+
+    lowcomm._accuracy = keep
+    try:
+        result = _run(data, config, *unit)
+    finally:
+        lowcomm._accuracy = real
+    return result, kept["weights"]
 
 
 def _close(a, b):
@@ -47,148 +80,191 @@ def _close(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
+PAYLOAD = 4 * (64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10)  # the MLP's float32 weights
+
+
 def test_diloco_one_step_outer_sgd_one_is_data_parallel(data):
-    settings = _settings(_sgd(0.1), _sgd(1.0))
-    dp_row, dp = run_one("dp", data, 2, 1, settings)
-    row, diloco = run_one("diloco", data, 2, 1, settings)
+    config = _config(_sgd(0.1), _sgd(1.0))
+    dp_row, dp = _weights(data, config, "dp", 2, 1)
+    row, diloco = _weights(data, config, "diloco", 2, 1)
     _close(dp, diloco)
-    assert row["test_accuracy"] == dp_row["test_accuracy"]
+    assert row["test"] == dp_row["test"]
 
 
 def test_async_commits_of_plain_sgd_add_up_to_the_sync_outer_step(data):
-    # Every worker pulls the same center at a round's start, so M commits
-    # of SGD(L / M) move it as one synchronous outer SGD(L) step.
-    inner = _sgd(0.05, momentum=0.9)
-    settings = _settings(inner, _sgd(0.5), async_outer=_sgd(0.5))
-    _, sync = run_one("diloco", data, 2, 3, settings)
-    _, asynchronous = run_one("async_diloco", data, 2, 3, settings)
+    # One round (steps = H): every worker pulls the same center at time 0,
+    # so M commits of SGD(L / M) move it as one synchronous outer SGD(L) step.
+    config = _config(_sgd(0.05, momentum=0.9), _sgd(0.5), steps=3)
+    _, sync = _weights(data, config, "diloco", 2, 3)
+    _, asynchronous = _weights(data, config, "async_diloco", 2, 3)
     _close(sync, asynchronous)
 
 
-def test_agn_commit_is_the_outer_sgd_one_over_period(data):
+@pytest.mark.parametrize("steps", [12, 10])  # 10: a last, shorter segment
+def test_agn_commit_is_the_outer_sgd_one_over_period(data, steps):
     # AGN's commit with plain SGD(a): center -= a * sum(grads) / H; the
     # pseudo-gradient is a * sum(grads): outer SGD(1 / H) per commit, i.e.
-    # the async rate M / H.
-    settings = _settings(_sgd(0.1), _sgd(1.0), async_outer=_sgd(2 / 4))
-    _, agn = run_one("agn", data, 2, 4, settings)
-    _, asynchronous = run_one("async_diloco", data, 2, 4, settings)
+    # the async rate M / H. AGN divides by H in a shorter segment too.
+    config = _config(_sgd(0.1), _sgd(1.0), async_outer=_sgd(2 / 4), steps=steps)
+    _, agn = _weights(data, config, "agn", 2, 4)
+    _, asynchronous = _weights(data, config, "async_diloco", 2, 4)
     _close(agn, asynchronous)
 
 
 def test_the_methods_differ_where_the_rules_do(data):
-    settings = _settings(_sgd(0.1, 0.9), _sgd(0.7, 0.9))
-    _, dp = run_one("dp", data, 2, 1, settings)
-    _, diloco = run_one("diloco", data, 2, 4, settings)
+    config = _config(_sgd(0.1, 0.9), _sgd(0.7, 0.9))
+    _, dp = _weights(data, config, "dp", 2, 1)
+    _, diloco = _weights(data, config, "diloco", 2, 4)
     assert max(np.abs(a - b).max() for a, b in zip(dp, diloco, strict=True)) > 1e-3
 
 
+def test_collective_bytes_by_hand():
+    # Ring all-reduce: 2 (M - 1) / M of the payload each way; all-gather:
+    # the payload out, the other M - 1 in.
+    assert all_reduce_bytes(1000, 2) == (1000.0, 1000.0)
+    assert all_reduce_bytes(1000, 4) == (1500.0, 1500.0)
+    assert all_reduce_bytes(800, 8) == (1400.0, 1400.0)
+    assert all_reduce_bytes(1000, 1) == (0.0, 0.0)
+    assert all_gather_bytes(1000, 4) == (1000, 3000)
+    assert all_gather_bytes(1000, 1) == (0, 0)
+
+
 @pytest.mark.parametrize(
-    "method, workers, sync_every, exchanges, received",
+    "method, workers, sync_every, exchanges, each",
     [
-        ("dp", 2, 1, 12, 12),  # every step, one other worker's payload
-        ("dp", 4, 1, 12, 36),
-        ("diloco", 4, 5, 3, 9),  # steps 5 and 10 of 12, and the last 2 steps
-        ("agn", 4, 5, 3, 3),  # three rounds: one push, one pull each
-        ("async_diloco", 2, 3, 4, 4),
+        ("dp", 2, 1, 12, 12 * 1.0),  # 12 all-reduces of 2 (M - 1) / M = 1 payload
+        ("dp", 4, 1, 12, 12 * 1.5),
+        ("diloco", 4, 5, 3, 3 * 1.5),  # steps 5 and 10 of 12, and the last 2
+        ("agn", 4, 5, 10, 10 / 4),  # 48 steps in 10 commits (9 of 5, one of 3)
+        ("async_diloco", 2, 3, 8, 8 / 2),  # a push and a pull per commit
     ],
 )
 def test_bytes_are_counted_per_exchange(
-    data, method, workers, sync_every, exchanges, received
+    data, method, workers, sync_every, exchanges, each
 ):
-    payload = 4 * (64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10)  # float32 weights
-    row, _ = run_one(method, data, workers, sync_every, _settings(_sgd(0.1), _sgd(1.0)))
+    row = _run(data, _config(_sgd(0.1), _sgd(1.0)), method, workers, sync_every)
+    assert row["payload"] == PAYLOAD
     assert row["exchanges"] == exchanges
-    assert row["bytes_sent"] == exchanges * payload
-    assert row["bytes_received"] == received * payload
+    assert row["bytes_sent"] == pytest.approx(each * PAYLOAD)
+    assert row["bytes_received"] == pytest.approx(each * PAYLOAD)
 
 
-@pytest.mark.parametrize("method", ["diloco", "agn", "async_diloco"])
-def test_the_last_partial_round_reaches_the_evaluated_model(data, method):
-    # 6 steps at H = 4: a round of 4, then one of 2, exchanged at the end.
-    # Without that exchange the model after 6 steps was the one after 4.
-    settings = _settings(_sgd(0.1, 0.9), _sgd(0.7, 0.9))
-    _, four = run_one(method, data, 2, 4, {**settings, "steps": 4})
-    row, six = run_one(method, data, 2, 4, {**settings, "steps": 6})
-    assert row["exchanges"] == 2
-    assert max(np.abs(a - b).max() for a, b in zip(four, six, strict=True)) > 1e-4
+def test_equal_speeds_staleness_by_hand(data):
+    # M = 3, H = 2, 6 steps each: the first round's commits are 0, 1 and 2
+    # commits stale; after it every worker pulled right after its own commit,
+    # before the other two's: 2 stale each.
+    row = _run(data, _config(_sgd(0.1), _sgd(1.0), steps=6), "async_diloco", 3, 2)
+    assert row["exchanges"] == 9
+    assert row["staleness_mean"] == pytest.approx((0 + 1 + 2 + 6 * 2) / 9)
+    assert row["staleness_max"] == 2
+    assert row["simulated_seconds"] == 6.0
 
 
-def test_agn_is_async_diloco_in_a_last_partial_round_too(data):
-    # AGN's commit divides by H in the shorter round as well, so the rule of
-    # test_agn_commit_is_the_outer_sgd_one_over_period holds for 10 steps.
-    settings = _settings(_sgd(0.1), _sgd(1.0), async_outer=_sgd(2 / 4), steps=10)
-    _, agn = run_one("agn", data, 2, 4, settings)
-    _, asynchronous = run_one("async_diloco", data, 2, 4, settings)
-    _close(agn, asynchronous)
+def test_a_slow_worker_commits_late_and_stale(data):
+    # Step times 1 and 3, H = 2, 8 steps in all: worker 0 commits at t = 2, 4
+    # and 6 (6 steps), worker 1 once, at t = 6 (2 steps), after worker 0's
+    # three commits (ties go to the lower worker).
+    speeds = {"name": "two", "step_times": [1.0, 3.0], "dynamic_local_updates": False}
+    config = _config(_sgd(0.1), _sgd(1.0), steps=4, speeds=[speeds])
+    row = _run(data, config, "agn", 2, 2, speeds="two")
+    assert row["exchanges"] == 4
+    assert (row["staleness_mean"], row["staleness_max"]) == (0.75, 3)
+    assert row["simulated_seconds"] == 6.0
+    assert row["local_steps"] == [2, 2]
 
 
-def test_plan_and_table():
-    config = {"workers": [2], "sync_every": [10, 50]}
-    assert plan(config) == [
-        ("dp", 2, 1),
-        ("agn", 2, 10),
-        ("async_diloco", 2, 10),
-        ("diloco", 2, 10),
-        ("agn", 2, 50),
-        ("async_diloco", 2, 50),
-        ("diloco", 2, 50),
-    ]
-    rows = [
-        {"method": "dp", "label": "sync data parallel", "workers": 2, "sync_every": 1,
-         "test_accuracy": 0.9, "bytes_sent": 5000, "bytes_received": 5000,
-         "wall_seconds": 1.25},
-        {"method": "diloco", "label": "sync DiLoCo", "workers": 2, "sync_every": 50,
-         "test_accuracy": 0.8975, "bytes_sent": 100, "bytes_received": 100,
-         "wall_seconds": 2.0},
+def test_dynamic_local_updates_scale_h_by_speed():
+    # Liu et al. 2024: H_w = floor(v_w / max v * H), v = 1 / step time.
+    assert local_steps(50, [0.58, 0.75, 1.51, 3.33], dynamic=True) == [50, 38, 19, 8]
+    assert local_steps(50, [0.58, 0.75, 1.51, 3.33], dynamic=False) == [50] * 4
+    assert local_steps(2, [1.0, 5.0], dynamic=True) == [2, 1]  # at least 1
+
+
+def test_units_and_table():
+    config = {
+        "workers": [2], "sync_every": [10], "methods": ["dp", "diloco", "agn"],
+        "speeds": [EQUAL, {**EQUAL, "name": "slow"}],
+    }  # fmt: skip
+    assert units(config) == [
+        ("dp", 2, 1, None), ("diloco", 2, 10, None),
+        ("agn", 2, 10, "equal"), ("agn", 2, 10, "slow"),
     ]  # fmt: skip
-    assert format_table(rows).splitlines()[2:] == [
-        "| sync data parallel | 2 | 1 | 90.00 | +0.00 | 10,000 | 1x | 1.2 |",
-        "| sync DiLoCo | 2 | 50 | 89.75 | -0.25 | 200 | 50x | 2.0 |",
-    ]
-    # No ratio where either side sent nothing, or without a DP run.
-    nothing = {**rows[1], "bytes_sent": 0, "bytes_received": 0}
-    alone = {**rows[1], "workers": 4}
-    assert format_table([rows[0], nothing, alone]).splitlines()[3:] == [
-        "| sync DiLoCo | 2 | 50 | 89.75 | -0.25 | 0 | - | 2.0 |",
-        "| sync DiLoCo | 4 | 50 | 89.75 | - | 200 | - | 2.0 |",
+    dp = {"method": "dp", "label": "sync data parallel", "workers": 2, "sync_every": 1,
+          "speeds": "equal", "dynamic_local_updates": False, "test": 0.9,
+          "test_interval": (0.89, 0.91), "versus_dp": None, "bytes_ratio": 1.0,
+          "bytes_sent": 5e6, "bytes_received": 5e6, "simulated_seconds": 20.0,
+          "staleness_mean": 0.0, "staleness_max": 0}  # fmt: skip
+    agn = {**dp, "method": "agn", "label": "AGN", "sync_every": 10, "test": 0.8975,
+           "test_interval": (0.89, 0.9), "versus_dp": -0.0025,
+           "versus_dp_interval": (-0.01, 0.005), "bytes_ratio": 50.0,
+           "bytes_sent": 1e5, "bytes_received": 1e5, "staleness_mean": 1.5,
+           "staleness_max": 3, "dynamic_local_updates": True}  # fmt: skip
+    assert format_table([dp, agn]).splitlines()[2:] == [
+        "| sync data parallel | 2 | 1 | equal | 90.00 [89.00, 91.00] | - | 5.00 | 5.00 "
+        "| 1.0x | 20 | - |",
+        "| AGN | 2 | 10 | equal + DyLU | 89.75 [89.00, 90.00] | -0.25 [-1.00, +0.50] "
+        "| 0.10 | 0.10 | 50.0x | 20 | 1.5 / 3 |",
     ]
 
 
 TINY = [
-    "--set", "training.steps=20",
+    "--set", "problem=synthetic",
+    "--set", "training.steps=10",
     "--set", "training.batch_size=16",
     "--set", "model.width=8",
     "--set", "workers=[2]",
-    "--set", "sync_every=[5, 10]",
+    "--set", "sync_every=[5]",
+    "--set", "tuning.trials=2",
+    "--set", "tuning.seeds=2",
+    "--set", "tuning.workers=1",
+    "--set", "tuning.resamples=100",
+    "--set", "speeds=[{name: equal, step_times: [1.0], dynamic_local_updates: false}]",
 ]  # fmt: skip
 
 
-def test_the_command_writes_the_table_results_and_plot(tmp_path, run_cli):
+def test_the_command_tunes_reruns_and_writes_the_report(tmp_path, run_cli):
     code, out, err = run_cli(
         "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc", *TINY
     )
     assert code == 0, err
     folder = tmp_path / "lc"
-    assert sorted(os.listdir(folder)) == [
-        "config.yaml", "lowcomm.png", "results.json", "table.md"
-    ]  # fmt: skip
+    files = [f for f in os.listdir(folder) if not f.endswith(("-shm", "-wal"))]
+    assert sorted(files) == [
+        "config.yaml",
+        "lowcomm.png",
+        "report.md",
+        "results.json",
+        "study.db",
+        "table.md",
+    ]  # fmt: skip  (SQLite's write-ahead files while a connection is open)
     assert os.path.getsize(folder / "lowcomm.png") > 10_000
-    runs = json.loads((folder / "results.json").read_text())["runs"]
-    assert [(r["method"], r["sync_every"]) for r in runs] == [
-        ("dp", 1),
-        ("agn", 5), ("async_diloco", 5), ("diloco", 5),
-        ("agn", 10), ("async_diloco", 10), ("diloco", 10),
+    rows = json.loads((folder / "results.json").read_text())["rows"]
+    assert [(r["method"], r["sync_every"]) for r in rows] == [
+        ("dp", 1), ("diloco", 5), ("agn", 5), ("async_diloco", 5)
     ]  # fmt: skip
-    payload = 4 * (64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10)
-    assert [r["bytes_sent"] for r in runs] == [20 * payload] + [4 * payload] * 3 + [
-        2 * payload
-    ] * 3
-    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in runs)
-    table = (folder / "table.md").read_text()
-    assert table.count("\n") == 2 + len(runs)
-    assert "| sync DiLoCo | 2 | 10 |" in table and "| 10x |" in table
-    assert out.count("\n[") == 6 and out.startswith("[1/7] sync data parallel, M=2")
-    assert "synthetic: scikit-learn make_classification" in out
+    for r in rows:
+        assert r["trials"] == 2 and len(r["seed_test"]) == 2
+        low, high = r["test_interval"]
+        assert low <= r["test"] <= high and 0.0 <= r["test"] <= 1.0
+        assert r["test"] == pytest.approx(np.mean(r["seed_test"]))
+    diloco = rows[1]
+    # 20 steps of 2 workers' all-reduce (1 payload each way), 2 for DiLoCo.
+    assert rows[0]["bytes_sent"] == 10 * PAYLOAD and diloco["bytes_sent"] == 2 * PAYLOAD
+    assert diloco["bytes_ratio"] == 5.0
+    assert set(rows[0]["params"]) == {"inner_learning_rate"}
+    assert set(diloco["params"]) == {
+        "inner_learning_rate", "outer_learning_rate", "outer_one_minus_momentum"
+    }  # fmt: skip
+    report = (folder / "report.md").read_text()
+    assert "2 quasi-random trials" in report and "rerun on 2 new seeds" in report
+    assert "| sync DiLoCo | 2 | 5 | equal |" in report
+    assert out.startswith("lowcomm ") and "Results in" in out
+    # The same command again resumes: every trial is kept, none is rerun.
+    code, again, err = run_cli(
+        "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc", *TINY
+    )
+    assert code == 0, err
+    assert json.loads((folder / "results.json").read_text())["rows"] == rows
 
 
 @pytest.mark.parametrize(
@@ -205,16 +281,24 @@ def test_the_command_writes_the_table_results_and_plot(tmp_path, run_cli):
         ),
         (["--set", "sync_every=[]"], "`sync_every` must be a list of at least 1"),
         (["--set", "problem=cifar"], "`problem` must be one of"),
+        (["--set", "methods=[dp, sgd]"], "`methods.1` must be one of"),
+        (
+            ["--set", "search.outer_one_minus_momentum=[0.1, 2.0]"],
+            "`search.outer_one_minus_momentum` must be [low, high] with 0 < low <= "
+            "high and the high end <= 1. Received: "
+            "search.outer_one_minus_momentum=[0.1, 2.0]",
+        ),
+        (
+            ["--set", "speeds.0.step_times=[0.0]"],
+            "`speeds.0.step_times.0` must be",
+        ),
         (
             ["--set", "training.batch_size=20000"],
             "`training.batch_size` must be at most the smallest worker's shard "
-            "(30000 training examples / 8 workers = 3750). Received: "
+            "(10240 training examples / 4 workers = 2560). Received: "
             "training.batch_size=20000",
         ),
-        (
-            ["--set", "outer_optimizer.class_name=NoSuch"],
-            "outer_optimizer",
-        ),
+        (["--set", "outer_optimizer.class_name=NoSuch"], "outer_optimizer"),
     ],
 )
 def test_bad_configs_are_one_line_and_status_2(
@@ -225,32 +309,13 @@ def test_bad_configs_are_one_line_and_status_2(
     assert os.listdir(tmp_path) == []
 
 
-def test_h_beyond_the_steps_makes_one_exchange_and_a_table(tmp_path, run_cli):
-    # Every run finished, then the table divided by 0 bytes: a traceback,
-    # exit 1, only config.yaml left.
-    code, out, err = run_cli(
-        "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc",
-        *TINY, "--set", "training.steps=5", "--set", "sync_every=[10]",
-    )  # fmt: skip
-    assert code == 0, err
-    runs = json.loads((tmp_path / "lc" / "results.json").read_text())["runs"]
-    assert [(r["method"], r["exchanges"]) for r in runs] == [
-        ("dp", 5), ("agn", 1), ("async_diloco", 1), ("diloco", 1)
-    ]  # fmt: skip
-    # Data parallel: 5 x (1 + 1) payloads; each other: one round's 1 + 1.
-    table = (tmp_path / "lc" / "table.md").read_text()
-    assert [line.split(" | ")[-2] for line in table.splitlines()[2:]] == ["1x"] + [
-        "5x"
-    ] * 3
-
-
-def test_a_run_that_a_block_refuses_is_one_line_before_any_run(
+def test_a_unit_that_a_block_refuses_is_one_line_before_any_trial(
     tmp_path, run_cli, one_line_error
 ):
-    # DiLoCo refuses an outer learning rate of 0: three runs finished before
-    # it was built, then a traceback.
+    # Not searched, the outer rate is the block's: DiLoCo refuses 0.
     code, out, err = run_cli(
         "lowcomm", "--set", f"output_dir={tmp_path}", *TINY,
+        "--set", "search.outer_learning_rate=null",
         "--set", "outer_optimizer={class_name: SGD, config: {learning_rate: 0.0}}",
     )  # fmt: skip
     assert one_line_error(code, err, command="lowcomm") == (
@@ -259,69 +324,40 @@ def test_a_run_that_a_block_refuses_is_one_line_before_any_run(
         "Received: outer_optimizer=SGD with learning_rate=0.0"
     )
     assert out == "" and os.listdir(tmp_path) == []
-    # Async DiLoCo's rate is divided by M: a schedule cannot be.
-    code, _, err = run_cli(
-        "lowcomm", "--set", f"output_dir={tmp_path}", *TINY, "--set",
-        "async_outer_optimizer.config.learning_rate={class_name: ExponentialDecay, "
-        "config: {initial_learning_rate: 0.5, decay_steps: 10, decay_rate: 0.5}}",
-    )  # fmt: skip
-    line = one_line_error(code, err, command="lowcomm")
-    assert line.startswith(
-        "tf-lars lowcomm: error: `async_outer_optimizer.config.learning_rate` must "
-        "be a number: it is divided by M. Received: "
-    )
-    assert os.listdir(tmp_path) == []
 
 
-def test_each_finished_run_is_kept_as_it_finishes(tmp_path, run_cli, monkeypatch):
-    # A failure after two runs (a bug: a traceback) leaves their results.
+def test_ctrl_c_keeps_the_finished_trials_and_the_run_resumes(
+    tmp_path, run_cli, monkeypatch
+):
+    # The fifth run is interrupted as a Ctrl-C would be: data parallel's unit
+    # (2 trials, 2 reruns) is finished and in table.md; the same command
+    # resumes and runs only what is missing.
     from tf_lars.cli import lowcomm
 
-    real, calls = lowcomm.run_one, []
+    real, calls = lowcomm.simulate, []
 
-    def failing_third(*args):
-        calls.append(args[0])
-        if len(calls) == 3:
-            raise RuntimeError("a late failure")
-        return real(*args)
-
-    monkeypatch.setattr(lowcomm, "run_one", failing_third)
-    with pytest.raises(RuntimeError, match="a late failure"):
-        run_cli(
-            "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc", *TINY
-        )
-    record = json.loads((tmp_path / "lc" / "results.json").read_text())
-    assert [r["method"] for r in record["runs"]] == ["dp", "agn"]
-    assert record["runs_planned"] == 7
-    assert (tmp_path / "lc" / "table.md").read_text().count("\n") == 4
-
-
-def test_ctrl_c_keeps_the_finished_runs(tmp_path, run_cli, monkeypatch):
-    # The third run is interrupted as a Ctrl-C would: the two before it are
-    # in results.json and table.md, with a note; exit status 130.
-    from tf_lars.cli import lowcomm
-
-    real, calls = lowcomm.run_one, []
-
-    def interrupted_third(*args):
-        calls.append(args[0])
-        if len(calls) == 3:
+    def interrupted_fifth(*args, **kwargs):
+        calls.append(args[3])
+        if len(calls) == 5:
             raise KeyboardInterrupt()
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(lowcomm, "run_one", interrupted_third)
-    code, _, err = run_cli(
-        "lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc", *TINY
-    )
+    monkeypatch.setattr(lowcomm, "simulate", interrupted_fifth)
+    arguments = ("lowcomm", "--set", f"output_dir={tmp_path}", "--set", "run_name=lc")
+    code, _, err = run_cli(*arguments, *TINY)
     assert code == 130
     folder = tmp_path / "lc"
-    assert "keeps config.yaml, results.json and table.md of the 2 of 7 runs" in err
-    record = json.loads((folder / "results.json").read_text())
-    assert [r["method"] for r in record["runs"]] == ["dp", "agn"]
-    assert (record["interrupted"], record["runs_planned"]) == (True, 7)
-    assert (folder / "table.md").read_text().count("\n") == 4
-    assert (folder / "INTERRUPTED").read_text() == (
-        "Interrupted (Ctrl-C) after 2 of 7 runs. results.json and table.md hold "
-        "the finished ones; lowcomm.png was not drawn.\n"
+    assert "keeps 4 of 16 finished trials" in err
+    assert (
+        (folder / "INTERRUPTED")
+        .read_text()
+        .startswith("Interrupted (Ctrl-C) after 4 of 16 trials")
     )
-    assert not (folder / "lowcomm.png").exists()
+    rows = json.loads((folder / "results.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["dp"]
+    code, _, err = run_cli(*arguments, *TINY)
+    assert code == 0, err
+    assert len(calls) == 5 + 12  # the 12 runs still missing, no more
+    assert not (folder / "INTERRUPTED").exists()
+    rows_after = json.loads((folder / "results.json").read_text())["rows"]
+    assert rows_after[0] == rows[0] and len(rows_after) == 4

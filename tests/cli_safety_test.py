@@ -31,7 +31,9 @@ CHEAP = {
               "--set", "study.seeds=1"],
     "lowcomm": ["--set", "training.steps=2", "--set", "training.batch_size=4",
                 "--set", "workers=[2]", "--set", "sync_every=[1]",
-                "--set", "model.width=2"],
+                "--set", "model.width=2", "--set", "methods=[dp]",
+                "--set", "tuning.trials=1", "--set", "tuning.seeds=1",
+                "--set", "tuning.workers=1", "--set", "mnist1d.num_samples=400"],
 }  # fmt: skip
 
 

@@ -224,6 +224,30 @@ def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
     assert history["loss"] == result["train_loss"]
 
 
+def test_a_tuning_trial_stops_once_it_passes_the_incumbent():
+    """A trial that has not reached the target by the unit's fewest steps so
+    far can no longer be selected: it stops there, not reached; one that
+    reaches first is unchanged."""
+    from tf_lars.cli import preflight
+
+    overrides = ["workload=data", "model.width=8", "study.max_steps=200",
+                 "study.target=0.5", "study.eval_every=10"]  # fmt: skip
+    config = load_config("study", overrides=overrides)
+    data, validation = preflight.study_data(config)
+    entry = config["optimizers"][0]  # Nesterov
+    params = {"learning_rate": 0.3, "one_minus_momentum": 0.1, "warmup_share": 0.0,
+              "weight_decay": 1e-4}  # fmt: skip
+    alone = study.run_trial(config, data, validation, entry, 64, params, seed=3)
+    assert alone["steps"] is not None and not alone["overtaken"]
+    late = study.run_trial(config, data, validation, entry, 64, params, seed=3,
+                           incumbent=alone["steps"] - 10)  # fmt: skip
+    assert late["steps"] is None and late["overtaken"]
+    assert late["curve"] == alone["curve"][:-1]  # stopped at steps - 10
+    same = study.run_trial(config, data, validation, entry, 64, params, seed=3,
+                           incumbent=alone["steps"])  # fmt: skip
+    assert same["steps"] == alone["steps"] and not same["overtaken"]
+
+
 def test_reruns_measure_the_gradient_noise_scale(tmp_path, run_cli):
     """A tiny digits study: every unit's reruns measure B_simple (two
     micro-batches of half the batch), reported per unit and beside B_crit."""

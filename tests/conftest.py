@@ -206,6 +206,10 @@ SECOND_TIER_TESTS = {
         "test_two_runs_started_together_with_one_name",
         "test_a_full_disk_is_one_line_and_leaves_no_partial_file",
     },
+    "cli_lowcomm_test.py": {
+        "test_the_command_tunes_reruns_and_writes_the_report",
+        "test_ctrl_c_keeps_the_finished_trials_and_the_run_resumes",
+    },
     "cli_study_test.py": {
         "test_two_processes_share_one_study",
         "test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes",

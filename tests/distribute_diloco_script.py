@@ -2,17 +2,22 @@
 
     distribute_diloco_script.py OUT BACKUP_DIR fit [--kill EPOCH:BATCH]
     distribute_diloco_script.py OUT BACKUP_DIR all
+    distribute_diloco_script.py OUT BACKUP_DIR four
 
 `fit`: `model.fit` with `DiLoCoSync` and `DiLoCoBackup` (4 epochs of 4
 steps, sync_every=3: outer steps fall inside epochs); with `--kill`, worker 1
 SIGKILLs itself after that batch on the job's first run, and the launcher
 restarts the whole job. `all`: the same `fit`, then in the same processes
-a custom loop with `synchronize`, int4 codes with error feedback and two
-streaming fragments, and H = 1 with outer SGD(1.0) (data-parallel SGD).
-Each worker writes `.npz` files under OUT (`fit-worker<I>.npz`,
-`loop-worker<I>.npz`, `dp-worker<I>.npz`) with its weights, optimizer state
-and byte counts; the test compares them with a one-process simulation
-(tests/distribute_diloco_test.py).
+custom loops with `synchronize`: int4 codes with error feedback and two
+streaming fragments (all-gathered), bfloat16 with error feedback
+(all-reduced in bfloat16), and H = 1 with outer SGD(1.0) (data-parallel SGD,
+all-reduced in float32). Each worker writes `.npz` files under OUT
+(`fit-worker<I>.npz`, `loop-worker<I>.npz`, `bf16-worker<I>.npz`,
+`dp-worker<I>.npz`) with its weights, optimizer state and byte counts; the
+test compares them with a one-process simulation
+(tests/distribute_diloco_test.py). `four`, on a 4-worker job: the custom
+loop uncompressed (all-reduced in float32, `f32x4-worker<I>.npz`) and with
+int8 codes (all-gathered, `int8x4-worker<I>.npz`).
 """
 
 import os
@@ -37,10 +42,10 @@ from tf_lars.distribute.diloco import (  # noqa: E402
 BATCH, STEPS, EPOCHS, WORKERS = 8, 4, 4, 2
 
 
-def shard(worker):
-    """Worker `worker`'s examples: a fixed regression problem."""
+def shard(worker, workers=WORKERS):
+    """Worker `worker`'s examples (of `workers`): a fixed regression problem."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(WORKERS * BATCH * STEPS, 5)).astype("float32")
+    x = rng.normal(size=(workers * BATCH * STEPS, 5)).astype("float32")
     y = np.tanh(x @ rng.normal(size=(5, 2))).astype("float32")
     part = slice(worker * BATCH * STEPS, (worker + 1) * BATCH * STEPS)
     return x[part], y[part]
@@ -81,6 +86,32 @@ def loop_optimizer():
     )
 
 
+def bfloat16_optimizer():
+    return tf_lars.DiLoCo(
+        keras.optimizers.Adam(0.01, name="inner"),
+        keras.optimizers.SGD(0.5, momentum=0.9, nesterov=True, name="outer"),
+        sync_every=2,
+        compression="bfloat16",
+        error_feedback=True,
+        exchange="external",  # DiLoCoSync, synchronize or simulate_sync
+    )
+
+
+def four_optimizer(compression=None):
+    return tf_lars.DiLoCo(
+        keras.optimizers.Adam(0.01, name="inner"),
+        keras.optimizers.SGD(0.5, momentum=0.9, nesterov=True, name="outer"),
+        sync_every=2,
+        compression=compression,
+        granularity="row",
+        exchange="external",  # DiLoCoSync, synchronize or simulate_sync
+    )
+
+
+def int8_optimizer():
+    return four_optimizer("int8")
+
+
 def dp_optimizer():
     return tf_lars.DiLoCo(
         keras.optimizers.SGD(0.1, name="inner"),
@@ -90,8 +121,8 @@ def dp_optimizer():
     )
 
 
-def batches(worker):
-    x, y = shard(worker)
+def batches(worker, workers=WORKERS):
+    x, y = shard(worker, workers)
     for step in range(STEPS * EPOCHS):
         at = (step % STEPS) * BATCH
         yield x[at : at + BATCH], y[at : at + BATCH]
@@ -125,7 +156,7 @@ def run_loop(out, worker, strategy, make_optimizer, name):
     sync.set_model(model)
     sync.on_train_begin()  # worker 0's initial weights everywhere
     traffic = Traffic()
-    for x, y in batches(worker):
+    for x, y in batches(worker, strategy.num_replicas_in_sync):
         loop_step(model, optimizer, tf.constant(x), tf.constant(y))
         synchronize(optimizer, model.trainable_variables, strategy, traffic)
     np.savez(os.path.join(out, f"{name}-worker{worker}.npz"), **state(model, traffic))
@@ -177,9 +208,15 @@ def main(out, backup_dir, mode, kill):
     config = distribute.parse_tf_config(mode="sync")
     strategy = distribute.multi_worker_strategy(config, communication_timeout=60)
     worker = config.task_index
+    if mode == "four":
+        run_loop(out, worker, strategy, four_optimizer, "f32x4")
+        run_loop(out, worker, strategy, int8_optimizer, "int8x4")
+        print(f"[worker {worker}] done", flush=True)
+        return
     run_fit(out, backup_dir, worker, strategy, kill)
     if mode == "all":  # the same processes go on with the custom loops
         run_loop(out, worker, strategy, loop_optimizer, "loop")
+        run_loop(out, worker, strategy, bfloat16_optimizer, "bf16")
         run_loop(out, worker, strategy, dp_optimizer, "dp")
     print(f"[worker {worker}] done", flush=True)
 

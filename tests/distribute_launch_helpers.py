@@ -186,11 +186,11 @@ def start_launcher(log_dir, launcher_args, program, stderr=subprocess.STDOUT):
     )
 
 
-def worker_logs(root, tail=3000):
-    """The two workers' logs of a job under `root` (the last `tail`
-    characters of each, or all with None), for assertion messages."""
+def worker_logs(root, tail=3000, workers=2):
+    """The workers' logs of a job under `root` (the last `tail` characters
+    of each, or all with None), for assertion messages."""
     text = []
-    for index in range(2):
+    for index in range(workers):
         path = os.path.join(root, "logs", f"worker-{index}.log")
         if os.path.exists(path):
             with open(path) as handle:
@@ -199,8 +199,9 @@ def worker_logs(root, tail=3000):
     return "\n".join(text)
 
 
-def run_sync_jobs(jobs, timeout):
-    """Two-worker sync jobs of a test script, run side by side to their end.
+def run_sync_jobs(jobs, timeout, workers=2):
+    """Sync jobs of a test script (two workers each), run side by side to
+    their end.
 
     Args:
         jobs: name -> `(root, script, program_args)`: each job runs
@@ -208,6 +209,7 @@ def run_sync_jobs(jobs, timeout):
             (`--mode sync --workers 2 --restart-job 1`, logs in `ROOT/logs`),
             all started before any is waited for.
         timeout: seconds to wait for each job.
+        workers: int. The workers of each job (`--workers`). Defaults to 2.
 
     Returns:
         name -> `{"root", "out", "backup", "output"}`. A job still running is
@@ -220,7 +222,7 @@ def run_sync_jobs(jobs, timeout):
         os.makedirs(out)
         process = start_launcher(
             os.path.join(root, "logs"),
-            ["--mode", "sync", "--workers", "2", "--restart-job", "1"],
+            ["--mode", "sync", "--workers", str(workers), "--restart-job", "1"],
             [script, out, backup, *program_args],
         )
         launched[name] = (process, {"root": root, "out": out, "backup": backup})
@@ -234,7 +236,8 @@ def run_sync_jobs(jobs, timeout):
                 process.wait(10)
     for name, (process, job) in launched.items():
         assert process.returncode == 0, (
-            f"{name}: {job['output'][-3000:]}\n{worker_logs(job['root'])}"
+            f"{name}: {job['output'][-3000:]}\n"
+            f"{worker_logs(job['root'], workers=workers)}"
         )
     return {name: job for name, (_, job) in launched.items()}
 

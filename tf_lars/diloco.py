@@ -633,9 +633,14 @@ def _when(condition, step, state):
 def simulate_sync(workers, worker_variables, fragment=None):
     """One synchronization of workers simulated in one process.
 
-    Each worker's pseudo-gradient (compressed as the worker sends it), their
-    mean, and the same outer step on every worker: what an all-reduce
-    across processes does. Returns the mean pseudo-gradient applied.
+    Each worker's pseudo-gradient (compressed as the worker sends it,
+    decoded to the variable's dtype), their sum in worker order divided by
+    M, and the same outer step on every worker. Across processes,
+    `tf_lars.distribute.synchronize` gives this mean bit for bit where it
+    all-gathers (int8/int4) or all-reduces two workers' uncompressed
+    pseudo-gradients, and to rounding otherwise (a ring's order for M > 2;
+    bfloat16 is summed in bfloat16). Returns the mean pseudo-gradient
+    applied.
 
     Args:
         workers: list of `DiLoCo`, one per simulated worker, configured

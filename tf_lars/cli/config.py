@@ -442,14 +442,43 @@ class LowcommTraining(_Block):
     batch_size: _int(1)
 
 
+class Speeds(_Block):
+    name: pydantic.StrictStr
+    step_times: pydantic.conlist(_POSITIVE, min_length=1)
+    dynamic_local_updates: pydantic.StrictBool
+
+
+class Tuning(_Block):
+    trials: _int(1)
+    seeds: _int(1)
+    storage: pydantic.StrictStr | None
+    workers: _int(1) | Literal["auto"]
+    confidence: pydantic.confloat(strict=True, gt=0.0, lt=1.0)
+    resamples: _int(100)
+
+
+class LowcommSearch(_Block):
+    inner_learning_rate: pydantic.conlist(_POSITIVE, min_length=2, max_length=2)
+    outer_learning_rate: _range()
+    outer_one_minus_momentum: _range()
+
+
 class LowcommConfig(_Common):
     """A `tf-lars lowcomm` config."""
 
-    problem: Literal["synthetic", "data"]
+    problem: Literal["mnist1d", "synthetic", "data"]
+    validation_fraction: pydantic.confloat(strict=True, gt=0.0, lt=1.0)
+    mnist1d: Mnist1d
     training: LowcommTraining
     # One worker exchanges nothing: there is no communication to compare.
     workers: pydantic.conlist(_int(2, 64), min_length=1)
     sync_every: pydantic.conlist(_int(1), min_length=1)
+    methods: pydantic.conlist(
+        Literal["dp", "diloco", "agn", "async_diloco"], min_length=1
+    )
+    speeds: pydantic.conlist(Speeds, min_length=1)
+    tuning: Tuning
+    search: LowcommSearch
     inner_optimizer: OptimizerBlock = _optimizer()
     outer_optimizer: OptimizerBlock = _optimizer()
     async_outer_optimizer: OptimizerBlock = _optimizer()

@@ -1,127 +1,322 @@
-"""`tf-lars lowcomm`: how much each way of training across workers
-communicates, and what it costs in accuracy.
+"""`tf-lars lowcomm`: what each way of training across M workers costs in
+accuracy, bytes and (simulated) time, every method tuned alike.
 
-M workers are simulated in one process, each with its own copy of the
-model, its own shard of the training set and its own inner optimizer; every
-method takes the same number of inner steps per worker, on the same batches:
+M workers are simulated in one process, each with its own copy of the model
+(all from one initialization), its own shard of the training set and its own
+inner optimizer. Every method takes M x `training.steps` inner steps in all:
 
 - `dp`: synchronous data parallel: the workers' gradients averaged at every
-  step, one optimizer on the mean (what `MultiWorkerMirroredStrategy` does).
-- `diloco`: synchronous DiLoCo (`tf_lars.DiLoCo` and `simulate_sync`): H
-  inner steps, then the mean pseudo-gradient through the outer optimizer.
-- `agn`: AGN's commit (the accumulated gradient / H through a copy of the
-  inner optimizer), asynchronous: in each round every worker pulls the
-  center and takes H steps, and the commits reach the center one after
-  another (worker m's commit is m commits stale).
-- `async_diloco`: the same rounds with AGN's outer optimizer: each commit's
-  pseudo-gradient `pulled - local`, at the outer learning rate / M (a round
-  of M commits then moves the center as far as one synchronous outer step).
+  step, one optimizer on the mean; a ring all-reduce, as
+  `MultiWorkerMirroredStrategy` runs.
+- `diloco`: synchronous DiLoCo (`tf_lars.DiLoCo`, `simulate_sync`): H inner
+  steps, then the mean pseudo-gradient (an all-reduce) through the outer
+  optimizer.
+- `agn`, `async_diloco`: asynchronous. Each worker runs on its own simulated
+  clock (`speeds`: seconds per inner step); after its H steps (with dynamic
+  local updates, Liu et al. 2024, `H_w = floor(v_w / max v * H)`) it commits
+  to the center and pulls it back. Commits reach the center in the order of
+  the workers' clocks (ties: worker order). AGN's commit is the accumulated
+  gradient / H_w through a copy of the inner optimizer; async DiLoCo's is the
+  pseudo-gradient `pulled - local` through the outer optimizer at its rate / M.
+  A commit's staleness is the number of commits between its pull and it.
 
-Where H does not divide the steps, the last, shorter round is exchanged
-too, so that every inner step reaches the evaluated model.
-
-Bytes are counted per worker from the tensors exchanged: a synchronous
-exchange sends the worker's payload and receives the other M - 1 workers'
-(the all-gather of `tf_lars.distribute.synchronize`); an asynchronous round
-pushes one commit and pulls the center back. Wall time is the simulation's
-own (M workers on one machine, one after another), for comparing methods.
-The rules and the measured table: docs/guides/low-communication.md.
+A synchronous method's simulated time is its steps at the slowest worker's
+step time (every step or round waits for it); an asynchronous one's is its
+last commit's. Communication takes no simulated time: bytes are their own
+column. Each *unit* (method, M, H, speeds) is tuned by `tuning.trials`
+quasi-random trials (Optuna's QMCSampler) on a validation split, and the
+selected trial rerun on `tuning.seeds` new seeds, which the test set
+evaluates. The protocol and the measured table: docs/guides/low-communication.md.
 """
 
+import hashlib
+import heapq
 import json
+import math
 import os
 import time
+import warnings
 
-import keras
 import numpy as np
-import tensorflow as tf
 
-from tf_lars.agn import local_step, normalized, pseudo_gradients, reset
-from tf_lars.diloco import DiLoCo, simulate_sync
+from tf_lars.cli import preflight, study
+from tf_lars.cli.config import dump_config
 
-METHODS = ("dp", "agn", "async_diloco", "diloco")
+METHODS = ("dp", "diloco", "agn", "async_diloco")
+ASYNC = ("agn", "async_diloco")
 LABELS = {
     "dp": "sync data parallel",
+    "diloco": "sync DiLoCo",
     "agn": "AGN",
     "async_diloco": "async DiLoCo",
-    "diloco": "sync DiLoCo",
 }
+# Not in the hash: the lists of units (a unit's own name says what it is),
+# so a larger run given the same storage reuses a smaller run's units.
+_NOT_HASHED = ("output_dir", "run_name", "workers", "sync_every", "methods", "speeds")
+_NOT_HASHED_TUNING = ("storage", "workers", "confidence", "resamples")
 
 
-def _model(input_shape, num_classes, model_config, seed):
-    from tf_lars.cli.train import build_model
-
-    keras.utils.set_random_seed(seed)
-    return build_model(model_config, input_shape, num_classes)
-
-
-def _optimizer(block, key, divide_rate_by=1):
-    from tf_lars.cli.config import ConfigError, build_optimizer, optimizer_spec
-
-    spec = optimizer_spec(block, key)
-    if divide_rate_by == 1:
-        return build_optimizer(spec)
-    if not isinstance(spec.learning_rate, int | float):
-        raise ConfigError(
-            f"`{key}.config.learning_rate` must be a number: it is divided by M. "
-            f"Received: {key}.config.learning_rate={spec.learning_rate!r}",
-            key=f"{key}.config.learning_rate",
-        )
-    return build_optimizer(spec, spec.learning_rate / divide_rate_by)
+# ------------------------------------------------------------------ units
+def key(config):
+    """A hash of what the trials depend on: the Optuna studies' names carry it."""
+    kept = {k: v for k, v in config.items() if k not in _NOT_HASHED}
+    kept["tuning"] = {
+        k: v for k, v in config["tuning"].items() if k not in _NOT_HASHED_TUNING
+    }
+    text = json.dumps(kept, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def optimizers(method, workers, sync_every, settings, copies=None):
-    """What `run_one` trains `method` with, built (`copies` worker
-    optimizers, default `workers`): data parallel's one optimizer; DiLoCo's
-    workers; or the workers' inner optimizers and then the center's (AGN's:
-    the inner one; async DiLoCo's: `async_outer` at its learning rate / M).
-    """
-    from tf_lars.cli.config import ConfigError, one_line
+def units(config):
+    """`(method, M, H, speeds)` of every unit. Data parallel has H = 1; the
+    synchronous methods' accuracy does not depend on the workers' speeds
+    (speeds None: each profile's time is computed from the one run)."""
+    found, methods = [], config["methods"]
+    for workers in config["workers"]:
+        if "dp" in methods:
+            found.append(("dp", workers, 1, None))
+        for sync_every in config["sync_every"]:
+            if "diloco" in methods:
+                found.append(("diloco", workers, sync_every, None))
+            found += [(method, workers, sync_every, name)
+                      for method in ASYNC if method in methods
+                      for name in profiles(config)]  # fmt: skip
+    return found
+
+
+def _name(config, unit, part):
+    method, workers, sync_every, speeds = unit
+    if speeds is not None:  # the profile's times and rule, not only its name
+        text = json.dumps(profiles(config)[speeds], sort_keys=True)
+        speeds = f"{speeds}:{hashlib.sha256(text.encode()).hexdigest()[:6]}"
+    return f"{method} M={workers} H={sync_every} {speeds} {part} [{key(config)}]"
+
+
+def profiles(config):
+    """The speeds profiles by name."""
+    return {profile["name"]: profile for profile in config["speeds"]}
+
+
+def step_times(config, speeds, workers):
+    """Each worker's seconds per inner step: the profile's list, cycled."""
+    times = profiles(config)[speeds]["step_times"]
+    return [float(times[m % len(times)]) for m in range(workers)]
+
+
+def local_steps(sync_every, times, dynamic):
+    """Each worker's H: H, or with dynamic local updates (Liu et al. 2024,
+    arXiv 2401.09135) `floor(v_w / max v * H)` for speed `v = 1 / time`
+    (at least 1)."""
+    if not dynamic:
+        return [sync_every] * len(times)
+    fastest = min(times)
+    return [max(1, math.floor(fastest / t * sync_every)) for t in times]
+
+
+def _suggest(trial, config, method):
+    """The trial's hyperparameters: the inner learning rate, and for the
+    methods with an outer optimizer its learning rate and 1 - momentum."""
+    search = config["search"]
+    params = {"inner_learning_rate": trial.suggest_float(
+        "inner_learning_rate", *search["inner_learning_rate"], log=True)}  # fmt: skip
+    if method in ("diloco", "async_diloco"):
+        for name in ("outer_learning_rate", "outer_one_minus_momentum"):
+            if search[name] is not None:
+                params[name] = trial.suggest_float(name, *search[name], log=True)
+    return params
+
+
+# ------------------------------------------------------------------ optimizers
+def _optimizer(block, key_name, learning_rate=None, one_minus_momentum=None):
+    from tf_lars.cli.config import build_optimizer, optimizer_spec
+
+    spec = optimizer_spec(block, key_name)
+    if one_minus_momentum is not None:
+        arguments = {**spec.arguments, "momentum": 1.0 - one_minus_momentum}
+        spec = spec._replace(arguments=arguments)
+    return build_optimizer(spec, learning_rate)
+
+
+def optimizers(config, method, workers, sync_every, params, copies=None):
+    """What `simulate` trains `method` with (`copies` workers, default M):
+    data parallel's one optimizer; DiLoCo's workers; or the workers' inner
+    optimizers and then the center's (AGN's: the inner one; async DiLoCo's:
+    the outer one at its learning rate / M)."""
+    from tf_lars.cli.config import ConfigError, one_line, optimizer_spec
+    from tf_lars.diloco import DiLoCo
 
     copies = workers if copies is None else copies
-    inner = lambda: _optimizer(settings["inner"], "inner_optimizer")  # noqa: E731
+    rate = params.get("inner_learning_rate")
+    inner = lambda: _optimizer(config["inner_optimizer"], "inner_optimizer", rate)  # noqa: E731
     if method == "dp":
         return [inner()]
-    if method == "diloco":
-        try:
-            return [
-                DiLoCo(
-                    inner(),
-                    _optimizer(settings["outer"], "outer_optimizer"),
-                    sync_every=sync_every,
-                    exchange="external",  # `simulate_sync` takes the outer steps
-                )
-                for _ in range(copies)
-            ]
-        except ConfigError:
-            raise
-        except ValueError as error:
-            raise ConfigError(
-                f"the run {LABELS[method]}, M={workers}, H={sync_every} is refused, "
-                f"so no run started: {one_line(error)}",
-                key="outer_optimizer",
-            ) from None
+    outer_key = "outer_optimizer" if method == "diloco" else "async_outer_optimizer"
+    outer_rate = params.get("outer_learning_rate")
+    if outer_rate is None:  # not searched: the block's
+        outer_rate = optimizer_spec(config[outer_key], outer_key).learning_rate
+    if method == "async_diloco" and not isinstance(outer_rate, int | float):
+        raise ConfigError(
+            f"`{outer_key}.config.learning_rate` must be a number: it is divided by "
+            f"M. Received: {outer_key}.config.learning_rate={outer_rate!r}",
+            key=f"{outer_key}.config.learning_rate",
+        )
+    outer = lambda divide=1: _optimizer(  # noqa: E731
+        config[outer_key], outer_key,
+        outer_rate / divide if divide != 1 else outer_rate,
+        params.get("outer_one_minus_momentum"),
+    )  # fmt: skip
     if method == "agn":
-        center = inner()
-    else:
-        center = _optimizer(settings["async_outer"], "async_outer_optimizer", workers)
-    return [inner() for _ in range(copies)] + [center]
+        return [inner() for _ in range(copies)] + [inner()]
+    if method == "async_diloco":
+        return [inner() for _ in range(copies)] + [outer(workers)]
+    try:  # the outer step is simulate_sync's
+        return [DiLoCo(inner(), outer(), sync_every=sync_every, exchange="external")
+                for _ in range(copies)]  # fmt: skip
+    except ValueError as error:
+        raise ConfigError(
+            f"the run {LABELS[method]}, M={workers}, H={sync_every} is refused, "
+            f"so no run started: {one_line(error)}",
+            key="outer_optimizer",
+        ) from None
 
 
-def _batches(data, workers, settings):
-    """Each step's batch for every worker: `(x, y)` of shape `(M, B, ...)`,
-    every worker drawing from its own shard, reshuffled per pass."""
-    rng = np.random.default_rng(settings["seed"])
-    shards = np.array_split(rng.permutation(len(data.y_train)), workers)
-    size = settings["batch_size"]
-    orders = [rng.permutation(s) for s in shards]
-    at = 0
-    for _ in range(settings["steps"]):
-        if at + size > min(len(s) for s in shards):
-            orders, at = [rng.permutation(s) for s in shards], 0
-        rows = np.stack([order[at : at + size] for order in orders])
-        at += size
-        yield tf.constant(data.x_train[rows]), tf.constant(data.y_train[rows])
+# ------------------------------------------------------------------ simulation
+class _Workers:
+    """M models from one initialization, their shards and their batches."""
+
+    def __init__(self, config, data, workers, seed):
+        import keras
+
+        from tf_lars.cli.train import build_model
+
+        shape = data.x_train.shape[1:]
+        self.models = []
+        for _ in range(workers):
+            keras.utils.set_random_seed(seed)
+            self.models.append(build_model(config["model"], shape, data.num_classes))
+        self.variables = [m.trainable_variables for m in self.models]
+        self.payload = sum(int(np.prod(v.shape)) * 4 for v in self.variables[0])
+        self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        rng = np.random.default_rng(seed)
+        self.shards = np.array_split(rng.permutation(len(data.y_train)), workers)
+        self.rngs = [np.random.default_rng([seed, m]) for m in range(workers)]
+        self.orders = [r.permutation(s) for r, s in zip(self.rngs, self.shards)]
+        self.at = [0] * workers
+        self.data, self.size = data, config["training"]["batch_size"]
+
+    def batch(self, m):
+        """Worker `m`'s next batch from its own shard, reshuffled each pass."""
+        if self.at[m] + self.size > len(self.orders[m]):
+            self.orders[m], self.at[m] = self.rngs[m].permutation(self.shards[m]), 0
+        rows = self.orders[m][self.at[m] : self.at[m] + self.size]
+        self.at[m] += self.size
+        return self.data.x_train[rows], self.data.y_train[rows]
+
+    def gradients(self, m, x, y):
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = self.loss(y, self.models[m](x, training=True))
+        return tape.gradient(loss, self.variables[m])
+
+
+def _sync(sim, method, built, workers, sync_every, steps):
+    """The synchronous methods: every worker's step at once; returns the
+    final variables and the exchanges."""
+    import tensorflow as tf
+
+    from tf_lars.diloco import simulate_sync
+
+    variables = sim.variables
+    for optimizer, vs in zip(built, variables):
+        optimizer.build(vs)
+
+    @tf.function
+    def step(x, y):
+        grads = [sim.gradients(m, x[m], y[m]) for m in range(workers)]
+        if method == "dp":
+            mean = [tf.add_n(list(g)) / workers for g in zip(*grads, strict=True)]
+            built[0].apply(mean, variables[0])
+            for others in variables[1:]:
+                for target, value in zip(others, variables[0], strict=True):
+                    target.assign(value)
+        else:
+            for optimizer, g, vs in zip(built, grads, variables, strict=True):
+                optimizer.apply(g, vs)
+
+    exchange = tf.function(lambda: simulate_sync(built, variables))
+    exchanges = 0
+    for number in range(1, steps + 1):
+        x, y = zip(*(sim.batch(m) for m in range(workers)))
+        step(tf.constant(np.stack(x)), tf.constant(np.stack(y)))
+        if method == "dp":
+            exchanges += 1
+        elif number % sync_every == 0 or number == steps:
+            # A last round shorter than H is exchanged too: its steps reach
+            # the evaluated model as every other round's do.
+            exchange()
+            exchanges += 1
+    final = variables[0] if method == "dp" else built[0].global_variables
+    return [v.numpy() for v in final], exchanges
+
+
+def _async(sim, method, built, workers, heights, times, steps):
+    """The asynchronous methods on the simulated clock; returns the final
+    center, its commits, their staleness and the last commit's time."""
+    import tensorflow as tf
+
+    from tf_lars.agn import local_step, normalized, pseudo_gradients, reset
+
+    *local, center_optimizer = built
+    variables = sim.variables
+    center = [tf.Variable(v) for v in variables[0]]
+    center_optimizer.build(center)
+    outer = method == "async_diloco"
+    # AGN accumulates the gradients; async DiLoCo keeps the pulled center.
+    saved = [[tf.Variable(v if outer else tf.zeros_like(v)) for v in vs]
+             for vs in variables]  # fmt: skip
+    for optimizer, vs in zip(local, variables):
+        optimizer.build(vs)
+
+    def make_step(m):
+        accumulators = [] if outer else saved[m]  # async DiLoCo accumulates nothing
+        return tf.function(
+            lambda x, y: local_step(
+                local[m], local[m], variables[m], accumulators, sim.gradients(m, x, y)
+            )
+        )
+
+    def make_commit(m):
+        def commit(count):
+            grads = (pseudo_gradients(saved[m], variables[m]) if outer
+                     else normalized(saved[m], count))  # fmt: skip
+            center_optimizer.apply(grads, center)
+            reset(local[m], variables[m], center, saved[m], keeps_center=outer)
+
+        return tf.function(commit)
+
+    stepping = [make_step(m) for m in range(workers)]
+    commits = [make_commit(m) for m in range(workers)]
+    clock = [(heights[m] * times[m], m, 0.0) for m in range(workers)]
+    heapq.heapify(clock)
+    version, pulled, staleness, done, last = 0, [0] * workers, [], 0, 0.0
+    total = workers * steps
+    while done < total:
+        _, m, started = heapq.heappop(clock)
+        count = min(heights[m], total - done)  # the last segment may be shorter
+        for _ in range(count):
+            x, y = sim.batch(m)
+            stepping[m](tf.constant(x), tf.constant(y))
+        done += count
+        # AGN divides by its period in a shorter last segment too.
+        commits[m](tf.constant(float(heights[m])))
+        staleness.append(version - pulled[m])
+        version += 1
+        pulled[m] = version
+        finish = started + count * times[m]
+        last = max(last, finish)
+        heapq.heappush(clock, (finish + heights[m] * times[m], m, finish))
+    return [v.numpy() for v in center], staleness, last
 
 
 def _accuracy(model, weights, x, y):
@@ -131,250 +326,411 @@ def _accuracy(model, weights, x, y):
     return float(np.mean(np.argmax(logits, axis=-1) == y))
 
 
-class _Simulation:
-    """M models from one initialization, and their gradients in one call."""
+def simulate(config, data, validation, unit, params, seed, test=False):
+    """Trains one unit's method with `params` from `seed`: its result."""
+    from tf_lars.distribute.diloco import all_reduce_bytes
 
-    def __init__(self, data, workers, settings):
-        shape = data.x_train.shape[1:]
-        self.models = [
-            _model(shape, data.num_classes, settings["model"], settings["seed"])
-            for _ in range(workers)
-        ]
-        self.variables = [m.trainable_variables for m in self.models]
-        self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        self.payload = sum(int(np.prod(v.shape)) * 4 for v in self.variables[0])
-
-    def gradients(self, x, y):
-        grads = []
-        for m, model in enumerate(self.models):
-            with tf.GradientTape() as tape:
-                loss = self.loss(y[m], model(x[m], training=True))
-            grads.append(tape.gradient(loss, model.trainable_variables))
-        return grads
-
-
-def run_one(method, data, workers, sync_every, settings):
-    """Trains with `method` on `workers` simulated workers; returns its row."""
-    sim = _Simulation(data, workers, settings)
-    variables, payload = sim.variables, sim.payload
-    built = optimizers(method, workers, sync_every, settings)
-    batches = _batches(data, workers, settings)
-    if method == "dp":
-        sync_every = 1
-        (optimizer,) = built
-        optimizer.build(variables[0])
-
-        @tf.function
-        def step(x, y):
-            grads = sim.gradients(x, y)
-            mean = [tf.add_n(list(g)) / workers for g in zip(*grads, strict=True)]
-            optimizer.apply(mean, variables[0])
-            for others in variables[1:]:
-                for target, value in zip(others, variables[0], strict=True):
-                    target.assign(value)
-
-        def exchange():
-            pass  # inside `step`: the mean gradient
-
-    elif method == "diloco":
-        for optimizer, vs in zip(built, variables, strict=True):
-            optimizer.build(vs)
-
-        @tf.function
-        def step(x, y):
-            for optimizer, grads, vs in zip(
-                built, sim.gradients(x, y), variables, strict=True
-            ):
-                optimizer.apply(grads, vs)
-
-        exchange = tf.function(lambda: simulate_sync(built, variables))
-
+    method, workers, sync_every, speeds = unit
+    started = time.perf_counter()
+    sim = _Workers(config, data, workers, seed)
+    built = optimizers(config, method, workers, sync_every, params)
+    steps, payload = config["training"]["steps"], sim.payload
+    result = {"staleness_mean": 0.0, "staleness_max": 0}
+    if method in ASYNC:
+        times = step_times(config, speeds, workers)
+        dynamic = profiles(config)[speeds]["dynamic_local_updates"]
+        heights = local_steps(sync_every, times, dynamic)
+        final, staleness, wall = _async(
+            sim, method, built, workers, heights, times, steps
+        )
+        commits = len(staleness)
+        # Each commit pushes the payload and pulls the center: per worker,
+        # the mean over the workers.
+        sent = received = payload * commits / workers
+        result.update(
+            exchanges=commits, simulated_seconds=wall, local_steps=heights,
+            staleness_mean=float(np.mean(staleness)), staleness_max=max(staleness),
+        )  # fmt: skip
     else:
-        center = [tf.Variable(v) for v in variables[0]]
-        *local, center_optimizer = built
-        for optimizer, vs in zip(local, variables, strict=True):
-            optimizer.build(vs)
-        accumulators = [[tf.Variable(tf.zeros_like(v)) for v in vs] for vs in variables]
-        center_optimizer.build(center)
-
-        @tf.function
-        def step(x, y):
-            for optimizer, grads, vs, acc in zip(
-                local, sim.gradients(x, y), variables, accumulators, strict=True
-            ):
-                local_step(optimizer, optimizer, vs, acc, grads)
-
-        @tf.function
-        def exchange():
-            pulled = [tf.convert_to_tensor(c) for c in center]
-            # The commits reach the center one after another, each computed
-            # from the center as it was pulled at the round's start. AGN
-            # divides by H in a last, shorter round too, as in every round
-            # (with inner SGD its commit stays async DiLoCo's at rate M / H).
-            for vs, acc in zip(variables, accumulators, strict=True):
-                if method == "agn":
-                    grads = normalized(acc, sync_every)
-                else:
-                    grads = pseudo_gradients(pulled, vs)
-                center_optimizer.apply(grads, center)
-            for optimizer, vs, acc in zip(local, variables, accumulators, strict=True):
-                reset(optimizer, vs, center, acc)
-
-    exchanges = 0
-    start = time.perf_counter()
-    for number, (x, y) in enumerate(batches, start=1):
-        step(x, y)
-        if number % sync_every == 0:
-            exchange()
-            exchanges += 1
-    if settings["steps"] % sync_every:
-        # The last round, shorter than H: exchanged, so that its steps reach
-        # the evaluated model as every other round's do.
-        exchange()
-        exchanges += 1
-    wall = time.perf_counter() - start
-    if method == "dp":
-        final, received = variables[0], payload * (workers - 1) * exchanges
-    elif method == "diloco":
-        final = built[0].global_variables
-        received = payload * (workers - 1) * exchanges
-    else:
-        final, received = center, payload * exchanges  # one pull per round
-    final = [v.numpy() for v in final]
-    row = {
-        "method": method,
-        "label": LABELS[method],
-        "workers": workers,
-        "sync_every": 1 if method == "dp" else sync_every,
-        "test_accuracy": _accuracy(sim.models[0], final, data.x_test, data.y_test),
-        "wall_seconds": wall,
-        "exchanges": exchanges,
-        "bytes_sent": payload * exchanges,
-        "bytes_received": received,
-    }
-    return row, final
+        final, exchanges = _sync(sim, method, built, workers, sync_every, steps)
+        each = all_reduce_bytes(payload, workers)
+        sent, received = each[0] * exchanges, each[1] * exchanges
+        result.update(exchanges=exchanges)
+    model = sim.models[0]
+    result.update(
+        validation=_accuracy(model, final, *validation),
+        test=_accuracy(model, final, data.x_test, data.y_test) if test else None,
+        bytes_sent=sent, bytes_received=received, payload=payload,
+        seconds=time.perf_counter() - started,
+    )  # fmt: skip
+    return result
 
 
-def plan(config):
-    """The runs, in order: per M, data parallel, then each H's three."""
-    runs = []
-    for workers in config["workers"]:
-        runs.append(("dp", workers, 1))
-        for sync_every in config["sync_every"]:
-            runs.extend((m, workers, sync_every) for m in METHODS[1:])
-    return runs
+# ------------------------------------------------------------------ tuning
+def _objective(config, unit, budget, rerun):
+    import optuna
+
+    def objective(trial):
+        study._stop_point()  # noqa: SLF001 - inside the trial: recorded as failed
+        tuning, seed = trial.study, trial.user_attrs.get("seed")
+        if (rerun and seed is None) or not study._claimed(tuning, trial, budget, seed):  # noqa: SLF001
+            tuning.stop()
+            raise optuna.TrialPruned("over budget")
+        params = _suggest(trial, config, unit[0])
+        context = study._CONTEXT  # noqa: SLF001 - the worker's data
+        result = simulate(
+            config, context["data"], context["validation"], unit, params,
+            config["seed"] if seed is None else seed, test=rerun,
+        )  # fmt: skip
+        trial.set_user_attr("result", result)
+        return result["validation"]
+
+    return objective
 
 
-def _settings(config):
-    return {
-        "seed": config["seed"],
-        "steps": config["training"]["steps"],
-        "batch_size": config["training"]["batch_size"],
-        "model": config["model"],
-        "inner": config["inner_optimizer"],
-        "outer": config["outer_optimizer"],
-        "async_outer": config["async_outer_optimizer"],
-    }
+def _advance(storage, config, unit, progress):
+    """Runs what a unit still needs (its trials, then its reruns); whether
+    it is complete."""
+    import optuna
+
+    tuning_config = config["tuning"]
+    budget, seeds = tuning_config["trials"], tuning_config["seeds"]
+    stop = optuna.study.MaxTrialsCallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.QMCSampler(
+            scramble=True, seed=config["seed"], warn_independent_sampling=False
+        )
+    tuning = optuna.create_study(
+        study_name=_name(config, unit, "tuning"), storage=storage,
+        sampler=sampler, load_if_exists=True, direction="maximize",
+    )  # fmt: skip
+    if len(study._complete(tuning)) < budget:  # noqa: SLF001
+        if len(study._trials(tuning, "COMPLETE", "RUNNING")) >= budget:  # noqa: SLF001
+            return False
+        objective = _objective(config, unit, budget, rerun=False)
+        tuning.optimize(objective, callbacks=[stop(budget), progress])
+        if len(study._complete(tuning)) < budget:  # noqa: SLF001
+            return False
+    best = _best(study._complete(tuning, budget))  # noqa: SLF001
+    reruns = optuna.create_study(
+        study_name=_name(config, unit, "reruns"), storage=storage,
+        load_if_exists=True, direction="maximize",
+    )  # fmt: skip
+    have = {t.user_attrs.get("seed")
+            for t in study._trials(reruns, "COMPLETE", "RUNNING", "WAITING")}  # noqa: SLF001 # fmt: skip
+    for index in range(seeds):
+        if config["seed"] + 1 + index not in have:
+            attributes = {"seed": config["seed"] + 1 + index}
+            reruns.enqueue_trial(best.params, user_attrs=attributes)
+    if study._trials(reruns, "WAITING"):  # noqa: SLF001
+        objective = _objective(config, unit, seeds, rerun=True)
+        reruns.optimize(objective, callbacks=[stop(seeds), progress])
+    return len(study._complete(reruns)) >= seeds  # noqa: SLF001
+
+
+def _best(trials):
+    """The trial with the best validation accuracy (the first of equals)."""
+    return max(trials, key=lambda t: (t.value, -t.number))
+
+
+def _work(offset, progress=None):
+    """A worker process: every unit from `offset` on, until all are complete."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    config = study._CONTEXT["config"]  # noqa: SLF001
+    storage, todo = study.open_storage(study._CONTEXT["url"]), units(config)  # noqa: SLF001
+    todo = todo[offset:] + todo[:offset]
+    reported = progress or (lambda study_, trial: None)
+
+    def progress(study_, trial):
+        reported(study_, trial)
+        study._stop_point()  # noqa: SLF001 - between trials
+
+    while todo:
+        todo = [u for u in todo if not _advance(storage, config, u, progress)]
+        if todo:
+            time.sleep(1.0)  # their trials run in the other worker processes
+            study._stop_point()  # noqa: SLF001
+    return offset
+
+
+def _counts(storage, config):
+    """Complete trials so far (at most each study's budget), and the total."""
+    import optuna
+
+    tuning, done = config["tuning"], 0
+    states = (optuna.trial.TrialState.COMPLETE,)
+    for unit in units(config):
+        for part, budget in (("tuning", tuning["trials"]), ("reruns", tuning["seeds"])):
+            try:
+                found = storage.get_study_id_from_name(_name(config, unit, part))
+            except KeyError:
+                continue
+            done += min(budget, len(storage.get_all_trials(found, False, states)))
+    return done, len(units(config)) * (tuning["trials"] + tuning["seeds"])
+
+
+# ------------------------------------------------------------------ results
+def sync_seconds(config, unit, speeds):
+    """A synchronous method's simulated time under the profile `speeds`:
+    its steps at the slowest worker's step time."""
+    return config["training"]["steps"] * max(step_times(config, speeds, unit[1]))
+
+
+def _timings(config):
+    """One profile per distinct list of step times: what a synchronous
+    unit's rows differ by (dynamic local updates are asynchronous only)."""
+    first = {}
+    for profile in config["speeds"]:
+        first.setdefault(tuple(profile["step_times"]), profile["name"])
+    return list(first.values())
+
+
+def summarize(config, storage):
+    """A row per finished unit and speeds profile (a synchronous unit's
+    row repeated per profile with that profile's time)."""
+    import optuna
+
+    tuning, rows = config["tuning"], []
+    interval = lambda values: study.bootstrap_interval(  # noqa: E731
+        values, tuning["confidence"], tuning["resamples"])  # fmt: skip
+    finished = {}
+    for unit in units(config):
+        try:
+            tuned, reruns = (optuna.load_study(study_name=_name(config, unit, p),
+                                               storage=storage)
+                             for p in ("tuning", "reruns"))  # fmt: skip
+        except KeyError:
+            continue
+        trials = study._complete(tuned, tuning["trials"])  # noqa: SLF001
+        runs = sorted(study._complete(reruns), key=lambda t: t.user_attrs["seed"])  # noqa: SLF001
+        if len(trials) < tuning["trials"] or len(runs) < tuning["seeds"]:
+            continue
+        best, results = _best(trials), [t.user_attrs["result"] for t in runs]
+        finished[unit] = [r["test"] for r in results]
+        method, workers, sync_every, speeds = unit
+        for profile in [speeds] if speeds else _timings(config):
+            test = [r["test"] for r in results]
+            rows.append({
+                "method": method, "label": LABELS[method], "workers": workers,
+                "sync_every": sync_every, "speeds": profile,
+                "dynamic_local_updates": bool(speeds) and profiles(config)[profile][
+                    "dynamic_local_updates"],
+                "trials": len(trials), "params": best.params,
+                "tuning_validation": best.value,
+                "validation": float(np.mean([r["validation"] for r in results])),
+                "seed_test": test, "test": float(np.mean(test)),
+                "test_interval": interval(test),
+                "bytes_sent": results[0]["bytes_sent"],
+                "bytes_received": results[0]["bytes_received"],
+                "exchanges": results[0]["exchanges"],
+                "simulated_seconds": (
+                    float(np.mean([r["simulated_seconds"] for r in results]))
+                    if speeds else sync_seconds(config, unit, profile)),
+                "staleness_mean": float(np.mean([r["staleness_mean"]
+                                                 for r in results])),
+                "staleness_max": max(r["staleness_max"] for r in results),
+                "local_steps": results[0].get("local_steps"),
+                "seconds": sum(t.user_attrs["result"]["seconds"] for t in trials)
+                + sum(r["seconds"] for r in results),
+            })  # fmt: skip
+    for row in rows:  # against data parallel at the same M, on the same seeds
+        base = finished.get(("dp", row["workers"], 1, None))
+        row["versus_dp"] = row["versus_dp_interval"] = row["bytes_ratio"] = None
+        if base is not None and row["method"] != "dp":
+            difference = np.subtract(row["seed_test"], base)
+            row["versus_dp"] = float(np.mean(difference))
+            row["versus_dp_interval"] = interval(difference)
+        dp = next((r for r in rows if r["method"] == "dp"
+                   and r["workers"] == row["workers"]), None)  # fmt: skip
+        total = row["bytes_sent"] + row["bytes_received"]
+        if dp is not None and total:
+            row["bytes_ratio"] = (dp["bytes_sent"] + dp["bytes_received"]) / total
+    return rows
 
 
 def format_table(rows):
-    """The Markdown table: one row per run, DP first in each M."""
-    dp = {r["workers"]: r for r in rows if r["method"] == "dp"}
-    lines = [
-        "| method | M | H | test accuracy (%) | vs DP (points) | bytes per worker "
-        "(sent + received) | fewer bytes than DP | wall (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    """The Markdown table: one row per unit and speeds profile."""
+    header = ("method", "M", "H", "speeds", "test accuracy (%)", "vs DP (points)",
+              "sent / worker (MB)", "received / worker (MB)", "fewer bytes than DP",
+              "simulated time (s)", "staleness (mean / max)")  # fmt: skip
+    lines = []
     for r in rows:
-        base = dp.get(r["workers"])
-        total = r["bytes_sent"] + r["bytes_received"]
-        versus = ratio = "-"  # no data parallel run to compare with
-        if base is not None:
-            versus = f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
-            base_total = base["bytes_sent"] + base["bytes_received"]
-            if total and base_total:  # no ratio of nothing
-                ratio = f"{base_total / total:.0f}x"
-        lines.append(
-            f"| {r['label']} | {r['workers']} | {r['sync_every']} | "
-            f"{100 * r['test_accuracy']:.2f} | {versus} | {total:,} | {ratio} | "
-            f"{r['wall_seconds']:.1f} |"
-        )
-    return "\n".join(lines)
+        low, high = r["test_interval"]
+        versus = "-"
+        if r["versus_dp"] is not None:
+            a, b = r["versus_dp_interval"]
+            versus = f"{100 * r['versus_dp']:+.2f} [{100 * a:+.2f}, {100 * b:+.2f}]"
+        ratio = f"{r['bytes_ratio']:.1f}x" if r["bytes_ratio"] else "-"
+        stale = "-"
+        if r["method"] in ASYNC:
+            stale = f"{r['staleness_mean']:.1f} / {r['staleness_max']}"
+        speeds = r["speeds"] + (" + DyLU" if r["dynamic_local_updates"] else "")
+        lines.append((
+            r["label"], r["workers"], r["sync_every"], speeds,
+            f"{100 * r['test']:.2f} [{100 * low:.2f}, {100 * high:.2f}]", versus,
+            f"{r['bytes_sent'] / 1e6:,.2f}", f"{r['bytes_received'] / 1e6:,.2f}",
+            ratio, f"{r['simulated_seconds']:,.0f}", stale,
+        ))  # fmt: skip
+    return study._markdown(header, lines)  # noqa: SLF001
 
 
-def _write_results(folder, data, rows, wall=None, **extra):
-    """results.json and table.md of the finished runs; the table."""
-    from tf_lars.cli import preflight
+PROTOCOL = """\
+# Low-communication comparison
 
-    table = format_table(rows)
-    record = {"source": data.source, "wall_seconds": wall, "runs": rows, **extra}
-    preflight.write_text(folder, "results.json", json.dumps(record, indent=1))
-    preflight.write_text(folder, "table.md", table + "\n")
-    return table
+Problem: {problem}; {model}. Each of M workers takes {steps} inner steps of batch
+{batch} on its own shard ({total} inner steps in all per method); inner optimizer
+{inner}.
+
+Protocol: per unit (method, M, H, speeds), {trials} quasi-random trials (Optuna
+QMCSampler, scrambled Sobol, seed {seed}) over: the inner learning rate (log-uniform
+{inner_range}) and, for sync and async DiLoCo, the outer learning rate (log-uniform
+{outer_range}; async DiLoCo's divided by M per commit) and 1 - outer momentum
+(log-uniform {momentum_range}); AGN and data parallel search the inner rate alone
+with the same number of trials. Selected on validation accuracy ({fraction:.0%} of the
+training set held out); the selected trial rerun on {seeds} new seeds ({first} to
+{last}), each evaluated on the test set: the mean with a {confidence:.0%} percentile
+bootstrap interval ({resamples} resamples). "vs DP": the mean paired difference from
+data parallel at the same M on the same seeds, with its interval.
+
+Bytes per worker: data parallel and sync DiLoCo send and receive a ring all-reduce's
+2 (M - 1) / M x P per exchange (P the float32 parameters' bytes); an asynchronous
+commit pushes P and pulls P (per worker: the mean over the workers). Simulated time:
+the seconds per inner step of each speeds profile ({profiles}); a synchronous
+method waits for the slowest worker at every step; an asynchronous one ends at its last
+commit; communication takes no simulated time. Staleness: commits between a worker's
+pull and its commit.
+
+Time: {wall:.0f} s on {workers} worker process(es).
+
+{table}
+"""
 
 
-def _interrupted(folder, data, rows, planned, interrupt):
-    """Writes the finished runs and a note; the exception `main` reports."""
-    from tf_lars.cli import preflight
+def report(config, data, rows, times):
+    """report.md: the protocol, the budget and the table."""
+    tuning, search = config["tuning"], config["search"]
+    fmt = lambda r: f"[{r[0]:g}, {r[1]:g}]" if r else "not searched"  # noqa: E731
+    inner = config["inner_optimizer"]["class_name"]
+    speeds = "; ".join(
+        f"{p['name']}: {p['step_times']}" + (" with dynamic local updates"
+                                             if p["dynamic_local_updates"] else "")
+        for p in config["speeds"]
+    )  # fmt: skip
+    return PROTOCOL.format(
+        problem=data.source, model="{name} width {width}".format(**config["model"]),
+        steps=config["training"]["steps"], batch=config["training"]["batch_size"],
+        total="M x " + str(config["training"]["steps"]), inner=inner,
+        trials=tuning["trials"], seed=config["seed"],
+        inner_range=fmt(search["inner_learning_rate"]),
+        outer_range=fmt(search["outer_learning_rate"]),
+        momentum_range=fmt(search["outer_one_minus_momentum"]),
+        fraction=config["validation_fraction"], seeds=tuning["seeds"],
+        first=config["seed"] + 1, last=config["seed"] + tuning["seeds"],
+        confidence=tuning["confidence"], resamples=tuning["resamples"],
+        profiles=speeds, wall=times["wall"], workers=times["workers"],
+        table=format_table(rows),
+    )  # fmt: skip
 
-    _write_results(folder, data, rows, interrupted=True, runs_planned=planned)
-    preflight.write_text(
-        folder,
-        preflight.INTERRUPTED_NOTE,
-        f"Interrupted ({preflight.interruption_name(interrupt)}) after "
-        f"{len(rows)} of {planned} runs. results.json and table.md hold the "
-        "finished ones; lowcomm.png was not drawn.\n",
-    )
-    return preflight.Interrupted(
-        f"the run folder {folder} keeps config.yaml, results.json and table.md of "
-        f"the {len(rows)} of {planned} runs that finished, and "
-        f"{preflight.INTERRUPTED_NOTE}"
-    )
 
-
-def run(config, data, folder, overwrite=False, out=print):
-    """`tf-lars lowcomm`: every run of `plan(config)`, the table and the plot.
-
-    Writes config.yaml, results.json, table.md and lowcomm.png to `folder`;
-    prints one line per finished run, then the table.
-    """
-    from tf_lars.cli import preflight
-    from tf_lars.cli.config import dump_config
-    from tf_lars.cli.main import deferred
+def _write_results(folder, config, data, rows, times):
     from tf_lars.cli.plots import plot_communication
 
-    settings = _settings(config)
-    runs, rows = plan(config), []
-    for method, workers, sync_every in runs:
-        # What each run builds, built now: a block that one run refuses is one
-        # line before any run, not a traceback after the others.
-        optimizers(method, workers, sync_every, settings, copies=1)
-    preflight.open_run_dir(folder, "lowcomm")
+    record = {"key": key(config), "source": data.source, "times": times, "rows": rows}
+    preflight.write_text(folder, "results.json", json.dumps(record, indent=1))
+    preflight.write_text(folder, "table.md", format_table(rows) + "\n")
+    preflight.write_text(folder, "report.md", report(config, data, rows, times))
+    if rows:
+        preflight.write_file(
+            os.path.join(folder, "lowcomm.png"), lambda to: plot_communication(rows, to)
+        )
+
+
+def _check(config):
+    """Builds every unit's optimizers once, at both ends of the ranges: a
+    block that one unit refuses is one line before any trial."""
+    search = config["search"]
+    for unit in units(config):
+        for end in (0, 1):
+            params = {name: bounds[end] for name, bounds in search.items() if bounds}
+            optimizers(config, unit[0], unit[1], unit[2], params, copies=1)
+
+
+def run(config, data=None, folder=None, overwrite=False, out=print):
+    """`tf-lars lowcomm`: every unit's trials and reruns, then report.md,
+    table.md, results.json and lowcomm.png in the run folder."""
+    if folder is None:
+        data, folder = preflight.preflight("lowcomm", config, overwrite)
+    data, validation = data
+    _check(config)
+    tuning = config["tuning"]
+    count = len(units(config))
+    workers = preflight.available_cores() if tuning["workers"] == "auto" else None
+    workers = min(workers or tuning["workers"], count)
+    url = tuning["storage"] or f"sqlite:///{os.path.abspath(folder)}/study.db"
     preflight.write_text(folder, "config.yaml", dump_config(config))
+    note = os.path.join(folder, preflight.INTERRUPTED_NOTE)
+    if os.path.exists(note):
+        os.remove(note)
+    out(f"lowcomm {key(config)}: {data.source}; {count} units x ({tuning['trials']} "
+        f"trials + {tuning['seeds']} reruns) on {workers} worker process(es); "
+        f"trials in {url}")  # fmt: skip
     started = time.perf_counter()
-    for number, (method, workers, sync_every) in enumerate(runs, start=1):
-        try:
-            with deferred():
-                row, _ = run_one(method, data, workers, sync_every, settings)
-            rows.append(row)
-            # Kept as each run finishes: a later failure loses none of them.
-            _write_results(folder, data, rows, runs_planned=len(runs))
-            out(
-                f"[{number}/{len(runs)}] {row['label']}, M={workers}, "
-                f"H={row['sync_every']}: test accuracy "
-                f"{100 * row['test_accuracy']:.2f}%, "
-                f"{row['bytes_sent'] + row['bytes_received']:,} bytes per worker, "
-                f"{row['wall_seconds']:.1f}s",
-                flush=True,
-            )
-        except KeyboardInterrupt as interrupt:
-            raise _interrupted(folder, data, rows, len(runs), interrupt) from None
-    wall = time.perf_counter() - started
-    table = _write_results(folder, data, rows, wall, runs_planned=len(runs))
-    plot_communication(rows, os.path.join(folder, "lowcomm.png"))
-    out(
-        f"\nTest accuracy after {settings['steps']} inner steps per worker, "
-        f"{data.source}:\n{table}\n\nWall time {wall:.0f}s. Results in {folder}/ "
-        "(results.json, table.md, lowcomm.png, config.yaml)"
-    )
+    try:
+        _execute(config, data, validation, url, workers)
+    except KeyboardInterrupt as interrupt:
+        done, total = _counts(study.open_storage(url), config)
+        rows = summarize(config, study.open_storage(url))
+        times = {"workers": workers, "wall": time.perf_counter() - started}
+        _write_results(folder, config, data, rows, times)
+        preflight.write_text(
+            folder, preflight.INTERRUPTED_NOTE,
+            f"Interrupted ({preflight.interruption_name(interrupt)}) after {done} of "
+            f"{total} trials; they are kept in {url} (the finished units are in "
+            "table.md): run the same command again to resume.\n",
+        )  # fmt: skip
+        raise preflight.Interrupted(
+            f"the run folder {folder} keeps {done} of {total} finished trials in "
+            f"{url} and the {len(rows)} finished rows in table.md; the same command "
+            "resumes"
+        ) from None
+    times = {"workers": workers, "wall": time.perf_counter() - started}
+    rows = summarize(config, study.open_storage(url))
+    _write_results(folder, config, data, rows, times)
+    out(report(config, data, rows, times))
+    out(f"Results in {folder}/ (report.md, table.md, results.json, lowcomm.png, "
+        "config.yaml)")  # fmt: skip
     return 0
+
+
+def _execute(config, data, validation, url, workers):
+    """Every unit in `workers` processes (in this one for 1), under a `rich`
+    progress bar with an ETA."""
+    from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    storage = study.open_storage(url)
+    done, total = _counts(storage, config)
+    columns = [*Progress.get_default_columns(), MofNCompleteColumn()]
+    with Progress(*columns, TimeRemainingColumn(elapsed_when_finished=True)) as bar:
+        task = bar.add_task("lowcomm", total=total, completed=done)
+        last = [0.0]
+
+        def refresh(*_, every=10.0):
+            if time.perf_counter() - last[0] >= every:
+                bar.update(task, completed=_counts(storage, config)[0])
+                last[0] = time.perf_counter()
+
+        arguments = (config, data, validation, url)
+        if workers == 1:
+            from tf_lars.cli.main import deferred
+
+            study._CONTEXT.update(
+                zip(("config", "data", "validation", "url"), arguments)
+            )  # noqa: SLF001
+            with deferred():
+                _work(0, refresh)
+        else:
+            study.run_pool(_work, arguments, workers, len(units(config)), refresh)
+        refresh(every=0)

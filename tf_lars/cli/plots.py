@@ -100,40 +100,39 @@ def plot_trust_ratios(paths, epochs, trust_ratios, path):
 
 
 def plot_communication(rows, path):
-    """Test accuracy against the bytes each worker communicated (log x): a
-    colour per method, a marker and line style per M; AGN's and DiLoCo's
-    points labelled with H."""
+    """Test accuracy (the reruns' mean and interval) against the bytes each
+    worker communicated (log x): a colour per method, a marker per M, a line
+    style per speeds profile; the points labelled with H."""
     figure, axes = plt.subplots(figsize=(8, 5))
     labels = sorted({row["label"] for row in rows})
     colours = {label: f"C{index}" for index, label in enumerate(labels)}
     counts = sorted({row["workers"] for row in rows})
-    styles = {
-        m: ("os^vDP*"[i % 7], ("-", "--", ":", "-.")[i % 4])
-        for i, m in enumerate(counts)
-    }
+    markers = {m: "os^vDP*"[i % 7] for i, m in enumerate(counts)}
+    names = list(dict.fromkeys(row["speeds"] for row in rows))
+    styles = {name: ("-", "--", ":", "-.")[i % 4] for i, name in enumerate(names)}
     series = {}
     for row in rows:
-        series.setdefault((row["label"], row["workers"]), []).append(row)
-    for (label, workers), points in sorted(series.items()):
+        series.setdefault((row["label"], row["workers"], row["speeds"]), []).append(row)
+    for (label, workers, speeds), points in sorted(series.items()):
         points = sorted(points, key=lambda r: r["bytes_sent"])
         x = [r["bytes_sent"] + r["bytes_received"] for r in points]
-        y = [100 * r["test_accuracy"] for r in points]
-        marker, style = styles[workers]
-        axes.plot(
-            x, y, marker=marker, linestyle=style, color=colours[label],
-            label=f"{label}, M={workers}",
+        y = np.array([100 * r["test"] for r in points])
+        low, high = (100 * np.array([r["test_interval"] for r in points])).T
+        axes.errorbar(
+            x, y, yerr=[y - low, high - y], marker=markers[workers],
+            linestyle=styles[speeds], color=colours[label], capsize=2,
+            label=f"{label}, M={workers}, {speeds}",
         )  # fmt: skip
-        if label != "sync data parallel":
-            for r, xi, yi in zip(points, x, y, strict=True):
-                axes.annotate(
-                    f"{r['sync_every']}", (xi, yi), fontsize=6,
-                    color=colours[label], xytext=(3, 3), textcoords="offset points",
-                )  # fmt: skip
+        for r, xi, yi in zip(points, x, y, strict=True):
+            axes.annotate(
+                f"{r['sync_every']}", (xi, yi), fontsize=6, color=colours[label],
+                xytext=(3, 3), textcoords="offset points",
+            )  # fmt: skip
     axes.set_xscale("log")
     axes.set_xlabel("bytes per worker, sent + received (log scale); labels: H")
-    axes.set_ylabel("test accuracy (%)")
-    axes.set_title("Accuracy against communication")
-    axes.legend(fontsize=7, ncol=2)
+    axes.set_ylabel("test accuracy (%), mean over seeds with interval")
+    axes.set_title("Accuracy against communication, every method tuned")
+    axes.legend(fontsize=6, ncol=2)
     axes.grid(alpha=0.3)
     _save(figure, path)
 

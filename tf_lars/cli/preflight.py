@@ -34,7 +34,8 @@ RUN_FILES = {
         "steps.png", "curves.png", "INTERRUPTED",
     ),
     "lowcomm": (
-        "config.yaml", "results.json", "table.md", "lowcomm.png", "INTERRUPTED",
+        "config.yaml", "study.db", "results.json", "table.md", "report.md",
+        "lowcomm.png", "INTERRUPTED",
     ),
 }  # fmt: skip
 INTERRUPTED_NOTE = "INTERRUPTED"
@@ -472,51 +473,97 @@ def study_data(config):
     return training, validation
 
 
-def _resumes(config, overwrite):
-    """Whether a named study's folder holds this same study (its config.yaml
-    is this config): then it is taken again, its trials kept."""
+def _resumes(config, overwrite, command="study"):
+    """Whether a named study's (or lowcomm's) folder holds this same run (its
+    config.yaml is this config): then it is taken again, its trials kept."""
     from tf_lars.cli.config import dump_config
 
     if overwrite or config["run_name"] is None:
         return False
     try:
-        with open(os.path.join(run_dir(config, "study"), "config.yaml")) as handle:
+        with open(os.path.join(run_dir(config, command), "config.yaml")) as handle:
             return handle.read() == dump_config(config)
     except OSError:
         return False
 
 
-def check_lowcomm(config, data):
-    # The optimizer blocks need Keras, so TensorFlow: `lowcomm.run` builds
-    # each one before the first run.
+def check_lowcomm(config):
+    """Refuses empty or out-of-domain search ranges and repeated speeds names."""
+    search = config["search"]
+    for name, top in (("inner_learning_rate", None), ("outer_learning_rate", None),
+                      ("outer_one_minus_momentum", 1.0)):  # fmt: skip
+        bounds = search[name]
+        if bounds is not None and (
+            bounds[0] > bounds[1] or bounds[0] <= 0 or (top and bounds[1] > top)
+        ):
+            rule = " and the high end <= 1" if top else ""
+            raise ConfigError(
+                f"`search.{name}` must be [low, high] with 0 < low <= high{rule}. "
+                f"Received: search.{name}={bounds!r}",
+                key=f"search.{name}",
+            )
+    names = [profile["name"] for profile in config["speeds"]]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(
+                f"`speeds.*.name` must be unique. Received: name={name!r} twice",
+                key="speeds",
+            )
+
+
+def lowcomm_data(config):
+    """`(training, (x_validation, y_validation))` of `tf-lars lowcomm`."""
+    from tf_lars.cli.data import (
+        load_data,
+        load_mnist1d,
+        split_validation,
+        synthetic_data,
+    )  # fmt: skip
+
+    if config["problem"] == "synthetic":
+        data = synthetic_data(config["seed"])
+    elif config["problem"] == "mnist1d":
+        data = load_mnist1d(
+            config["mnist1d"]["num_samples"], config["data"]["split_seed"]
+        )
+    else:
+        data = load_data(config["data"])
     check_model_input(config["model"], data.x_train.shape[1:])
-    smallest = len(data.x_train) // max(config["workers"])
+    fraction, seed = config["validation_fraction"], config["data"]["split_seed"]
+    try:
+        training, validation = split_validation(data, fraction, seed)
+    except ValueError as error:  # too few examples of a class to split
+        raise ConfigError(f"`validation_fraction`: {error}") from None
+    smallest = len(training.x_train) // max(config["workers"])
     if config["training"]["batch_size"] > smallest:
         raise ConfigError(
             "`training.batch_size` must be at most the smallest worker's shard "
-            f"({len(data.x_train)} training examples / {max(config['workers'])} "
+            f"({len(training.x_train)} training examples / {max(config['workers'])} "
             f"workers = {smallest}). Received: training.batch_size="
-            f"{config['training']['batch_size']}"
+            f"{config['training']['batch_size']}",
+            key="training.batch_size",
         )
+    return training, validation
 
 
 def preflight(command, config, overwrite=False):
     """Every check of a validated config that needs no TensorFlow."""
-    from tf_lars.cli.data import load_data, synthetic_data
+    from tf_lars.cli.data import load_data
 
-    if command == "study":
-        check_study(config)
-        data = study_data(config)
-        resume = _resumes(config, overwrite)
+    if command in ("study", "lowcomm"):
+        if command == "study":
+            check_study(config)
+            data = study_data(config)
+        else:
+            check_lowcomm(config)
+            data = lowcomm_data(config)
+        resume = _resumes(config, overwrite, command)
         folder = claim_run_dir(config, command, overwrite or resume)
         if not resume:
             open_run_dir(folder, command)
         return data, folder
-    if command == "lowcomm" and config["problem"] == "synthetic":
-        data = synthetic_data(config["seed"])
-    else:
-        data = load_data(config["data"])
-    {"train": check_train, "lowcomm": check_lowcomm}[command](config, data)
+    data = load_data(config["data"])
+    check_train(config, data)
     multi_worker = command == "train" and (
         config["distribute"]["strategy"] in CLUSTER_STRATEGIES
     )

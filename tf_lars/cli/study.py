@@ -124,9 +124,12 @@ def cap(config, batch, num_train):
 
 
 def run_trial(
-    config, data, validation, entry, batch, params, seed, test=False, noise=False
-):
-    """Trains one configuration until the target or the cap.
+    config, data, validation, entry, batch, params, seed, test=False, noise=False,
+    incumbent=None,
+):  # fmt: skip
+    """Trains one configuration until the target or the cap (a tuning trial:
+    or, not at the target, past `incumbent`, the unit's fewest steps so far:
+    it can no longer be selected, and counts as not reached).
 
     Returns `{"steps", "cap", "curve", "b_simple", "test", "seconds",
     "cpu_seconds"}`:
@@ -141,8 +144,9 @@ def run_trial(
         result["test"] = result["curve"][-1][1] if test else None
     else:
         result = _neural_trial(
-            config, data, validation, entry, batch, params, seed, test, noise
-        )
+            config, data, validation, entry, batch, params, seed, test, noise,
+            incumbent,
+        )  # fmt: skip
     # A worker runs one trial at a time: its CPU time is the trial's, what
     # the trial would take alone on an idle core.
     result["seconds"] = time.perf_counter() - started
@@ -187,12 +191,16 @@ def trial_config(config, entry, batch, params, seed, num_train):
     return train
 
 
-def _neural_trial(config, data, validation, entry, batch, params, seed, test, noise):
+def _neural_trial(
+    config, data, validation, entry, batch, params, seed, test, noise, incumbent
+):
     from tf_lars.cli.train import fit_config
 
     study = config["study"]
     limit = cap(config, batch, len(data.x_train))
-    watch = _steps_to_target(validation, study["target"], study["eval_every"], limit)
+    watch = _steps_to_target(
+        validation, study["target"], study["eval_every"], limit, incumbent
+    )
     if not test:  # tuning and reruns never see the test set
         data = data._replace(x_test=validation[0], y_test=validation[1])
     train = trial_config(config, entry, batch, params, seed, len(data.x_train))
@@ -200,6 +208,7 @@ def _neural_trial(config, data, validation, entry, batch, params, seed, test, no
     result = fit_config(train, data, [watch], noise_scale=noise)
     return {
         "steps": watch.steps, "cap": limit, "curve": watch.curve,
+        "overtaken": watch.steps is None and watch.step < limit,
         "b_simple": gradient_noise_scale(result["optimizer"]),
         "test": result["test_accuracy"] if test else None,
         "train_loss": [float(v) for v in result["history"]["loss"]],
@@ -214,10 +223,12 @@ def gradient_noise_scale(optimizer):
     return float(value) if value is not None and math.isfinite(value) else None
 
 
-def _steps_to_target(validation, target, every, limit):
+def _steps_to_target(validation, target, every, limit, incumbent=None):
     """A Keras callback: validation accuracy every `every` steps (updates);
-    stops training at the first evaluation that reaches `target`, or at
-    `limit` (micro-batches of an odd count per epoch run past it)."""
+    stops training at the first evaluation that reaches `target`, at
+    `limit` (micro-batches of an odd count per epoch run past it), or past
+    `incumbent` steps without reaching it (a tuning trial that can no longer
+    have the fewest steps: how a unit's budget of trials is run in time)."""
     import keras
 
     x, y = validation
@@ -236,7 +247,8 @@ def _steps_to_target(validation, target, every, limit):
             self.curve = [*self.curve, (self.step, accuracy)]
             if accuracy >= target:
                 self.steps = self.step
-            self.model.stop_training = accuracy >= target or step >= limit
+            overtaken = incumbent is not None and step >= incumbent
+            self.model.stop_training = accuracy >= target or step >= limit or overtaken
 
     return StepsToTarget()
 
@@ -301,9 +313,12 @@ def _objective(config, entry, batch, budget, rerun):
         seed = config["seed"] if seed is None else seed
         data, validation = _CONTEXT["data"], _CONTEXT["validation"]
         test = bool(trial.user_attrs.get("test"))
+        steps = [t.user_attrs["result"]["steps"] for t in _complete(study)]
+        reached = [s for s in steps if s is not None and not rerun]
         result = run_trial(
-            config, data, validation, entry, batch, params, seed, test, rerun
-        )
+            config, data, validation, entry, batch, params, seed, test, rerun,
+            min(reached, default=None),  # the incumbent: a tuning trial's stop
+        )  # fmt: skip
         curve = result["curve"]  # at most ~200 points kept
         every = max(1, len(curve) // 200)
         result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
@@ -379,7 +394,7 @@ def _init_worker(config, data, validation, url, threads):
     _CONTEXT.update(config=config, data=data, validation=validation, url=url)
     # The parent stops a worker with SIGTERM, raised at the next stop point.
     signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.append(signum))
-    if config["workload"] != "nqm":
+    if config.get("workload") != "nqm":  # lowcomm's config has none
         from tf_lars.cli import import_tensorflow, quiet_python_logs
 
         tf = import_tensorflow()
@@ -431,21 +446,25 @@ def execute(config, data, validation, url, workers):
             with deferred():
                 _work(0, refresh)
         else:
-            _run_workers(config, data, validation, url, workers, refresh)
+            arguments = (config, data, validation, url)
+            run_pool(_work, arguments, workers, len(units(config)), refresh)
         refresh(every=0)
 
 
-def _run_workers(config, data, validation, url, workers, refresh):
+def run_pool(work, arguments, workers, count, refresh):
+    """`work(offset)` in `workers` spawned processes, each starting at its
+    share of the `count` units (`_init_worker(*arguments, threads)` first);
+    a Ctrl-C or error stops each at its next stop point (SIGTERM), then
+    kills what still runs after 60 s. `tf-lars lowcomm` runs its units here too."""
     threads = max(1, preflight.available_cores() // workers)
     context = multiprocessing.get_context("spawn")
-    arguments = (config, data, validation, url, threads)
     executor = concurrent.futures.ProcessPoolExecutor(
-        workers, context, initializer=_init_worker, initargs=arguments
+        workers, context, initializer=_init_worker, initargs=(*arguments, threads)
     )
-    step = max(1, len(units(config)) // workers)
+    step = max(1, count // workers)
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's alone
     try:
-        futures = [executor.submit(_work, i * step) for i in range(workers)]
+        futures = [executor.submit(work, i * step) for i in range(workers)]
     finally:
         signal.signal(signal.SIGINT, handler)
     processes = list(executor._processes.values())  # noqa: SLF001 - to stop them
@@ -590,7 +609,9 @@ Workload: {workload}. Target: {metric} {sign} {study[target]:g} on {split}.
 Protocol: per optimizer and batch size, {study[trials]} quasi-random trials (Optuna
 QMCSampler, scrambled Sobol, seed {seed}) over: learning rate (log-uniform, per
 optimizer), {space}. A trial's steps: the first evaluation (every {study[eval_every]}
-steps) at the target, capped at {cap}; one that never reaches it counts as not reached.
+steps) at the target, capped at {cap}; one that never reaches it counts as not reached,
+and a trial stops once it passes the unit's fewest steps so far without reaching it (it
+can no longer be selected; trials_reached counts the trials that reached first).
 Schedule: linear warm-up, then {schedule}. The trial with the fewest steps is rerun on
 {study[seeds]} new seeds ({first} to {last}); steps are their mean (a rerun that did not
 reach counts as the cap) with a {study[confidence]:.0%} percentile bootstrap interval

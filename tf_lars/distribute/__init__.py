@@ -10,7 +10,8 @@
   (the last one resumes a restarted job exactly).
 - `DiLoCoSync`, `DiLoCoBackup`, `synchronize`, `Traffic`: synchronous
   DiLoCo (`tf_lars.DiLoCo`) across MWMS workers, with `model.fit` or a
-  custom loop, exact resumption and the bytes counted.
+  custom loop, exact resumption and the bytes counted from the collective
+  used (`exchange_bytes`, `all_reduce_bytes`, `all_gather_bytes`).
 - `run_main(main)`: one line and exit status 2 for a bad `TF_CONFIG`, 3 for
   a lost parameter server.
 - `python -m tf_lars.distribute.launch`: a local multi-process cluster that
@@ -51,7 +52,8 @@ _LAZY = {
         "tf_lars.distribute.multi_worker",
     ),
     **dict.fromkeys(
-        ("DiLoCoBackup", "DiLoCoSync", "Traffic", "synchronize"),
+        ("DiLoCoBackup", "DiLoCoSync", "Traffic", "synchronize")
+        + ("all_gather_bytes", "all_reduce_bytes", "exchange_bytes"),
         "tf_lars.distribute.diloco",
     ),
 }
