@@ -52,19 +52,16 @@ LABELS = {
 }
 # Not in the hash: the lists of units (a unit's own name says what it is),
 # so a larger run given the same storage reuses a smaller run's units.
-_NOT_HASHED = ("output_dir", "run_name", "workers", "sync_every", "methods", "speeds")
-_NOT_HASHED_TUNING = ("storage", "workers", "confidence", "resamples")
+# Not in the hash: the lists of units (a unit's own name says what it is),
+# so a larger run given the same storage reuses a smaller run's units.
+_UNIT_LISTS = ("workers", "sync_every", "methods", "speeds")
+BLOCK = "tuning"  # for study's shared runner: the block with trials and seeds
 
 
 # ------------------------------------------------------------------ units
 def key(config):
-    """A hash of what the trials depend on: the Optuna studies' names carry it."""
-    kept = {k: v for k, v in config.items() if k not in _NOT_HASHED}
-    kept["tuning"] = {
-        k: v for k, v in config["tuning"].items() if k not in _NOT_HASHED_TUNING
-    }
-    text = json.dumps(kept, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
+    """`study.config_key` of a lowcomm run."""
+    return study.config_key(config, "tuning", _UNIT_LISTS)
 
 
 def units(config):
@@ -84,7 +81,7 @@ def units(config):
     return found
 
 
-def _name(config, unit, part):
+def unit_name(config, unit, part):
     method, workers, sync_every, speeds = unit
     if speeds is not None:  # the profile's times and rule, not only its name
         text = json.dumps(profiles(config)[speeds], sort_keys=True)
@@ -388,7 +385,7 @@ def _objective(config, unit, budget, rerun):
     return objective
 
 
-def _advance(storage, config, unit, progress):
+def advance(storage, config, unit, progress):
     """Runs what a unit still needs (its trials, then its reruns); whether
     it is complete."""
     import optuna
@@ -402,7 +399,7 @@ def _advance(storage, config, unit, progress):
             scramble=True, seed=config["seed"], warn_independent_sampling=False
         )
     tuning = optuna.create_study(
-        study_name=_name(config, unit, "tuning"), storage=storage,
+        study_name=unit_name(config, unit, "tuning"), storage=storage,
         sampler=sampler, load_if_exists=True, direction="maximize",
     )  # fmt: skip
     if len(study._complete(tuning)) < budget:  # noqa: SLF001
@@ -414,7 +411,7 @@ def _advance(storage, config, unit, progress):
             return False
     best = _best(study._complete(tuning, budget))  # noqa: SLF001
     reruns = optuna.create_study(
-        study_name=_name(config, unit, "reruns"), storage=storage,
+        study_name=unit_name(config, unit, "reruns"), storage=storage,
         load_if_exists=True, direction="maximize",
     )  # fmt: skip
     have = {t.user_attrs.get("seed")
@@ -432,44 +429,6 @@ def _advance(storage, config, unit, progress):
 def _best(trials):
     """The trial with the best validation accuracy (the first of equals)."""
     return max(trials, key=lambda t: (t.value, -t.number))
-
-
-def _work(offset, progress=None):
-    """A worker process: every unit from `offset` on, until all are complete."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    config = study._CONTEXT["config"]  # noqa: SLF001
-    storage, todo = study.open_storage(study._CONTEXT["url"]), units(config)  # noqa: SLF001
-    todo = todo[offset:] + todo[:offset]
-    reported = progress or (lambda study_, trial: None)
-
-    def progress(study_, trial):
-        reported(study_, trial)
-        study._stop_point()  # noqa: SLF001 - between trials
-
-    while todo:
-        todo = [u for u in todo if not _advance(storage, config, u, progress)]
-        if todo:
-            time.sleep(1.0)  # their trials run in the other worker processes
-            study._stop_point()  # noqa: SLF001
-    return offset
-
-
-def _counts(storage, config):
-    """Complete trials so far (at most each study's budget), and the total."""
-    import optuna
-
-    tuning, done = config["tuning"], 0
-    states = (optuna.trial.TrialState.COMPLETE,)
-    for unit in units(config):
-        for part, budget in (("tuning", tuning["trials"]), ("reruns", tuning["seeds"])):
-            try:
-                found = storage.get_study_id_from_name(_name(config, unit, part))
-            except KeyError:
-                continue
-            done += min(budget, len(storage.get_all_trials(found, False, states)))
-    return done, len(units(config)) * (tuning["trials"] + tuning["seeds"])
 
 
 # ------------------------------------------------------------------ results
@@ -499,7 +458,7 @@ def summarize(config, storage):
     finished = {}
     for unit in units(config):
         try:
-            tuned, reruns = (optuna.load_study(study_name=_name(config, unit, p),
+            tuned, reruns = (optuna.load_study(study_name=unit_name(config, unit, p),
                                                storage=storage)
                              for p in ("tuning", "reruns"))  # fmt: skip
         except KeyError:
@@ -679,9 +638,9 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
         f"trials in {url}")  # fmt: skip
     started = time.perf_counter()
     try:
-        _execute(config, data, validation, url, workers)
+        study.execute(config, data, validation, url, workers, __name__)
     except KeyboardInterrupt as interrupt:
-        done, total = _counts(study.open_storage(url), config)
+        done, total = study.count_trials(study.open_storage(url), config, __name__)
         rows = summarize(config, study.open_storage(url))
         times = {"workers": workers, "wall": time.perf_counter() - started}
         _write_results(folder, config, data, rows, times)
@@ -703,34 +662,3 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
     out(f"Results in {folder}/ (report.md, table.md, results.json, lowcomm.png, "
         "config.yaml)")  # fmt: skip
     return 0
-
-
-def _execute(config, data, validation, url, workers):
-    """Every unit in `workers` processes (in this one for 1), under a `rich`
-    progress bar with an ETA."""
-    from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
-
-    storage = study.open_storage(url)
-    done, total = _counts(storage, config)
-    columns = [*Progress.get_default_columns(), MofNCompleteColumn()]
-    with Progress(*columns, TimeRemainingColumn(elapsed_when_finished=True)) as bar:
-        task = bar.add_task("lowcomm", total=total, completed=done)
-        last = [0.0]
-
-        def refresh(*_, every=10.0):
-            if time.perf_counter() - last[0] >= every:
-                bar.update(task, completed=_counts(storage, config)[0])
-                last[0] = time.perf_counter()
-
-        arguments = (config, data, validation, url)
-        if workers == 1:
-            from tf_lars.cli.main import deferred
-
-            study._CONTEXT.update(
-                zip(("config", "data", "validation", "url"), arguments)
-            )  # noqa: SLF001
-            with deferred():
-                _work(0, refresh)
-        else:
-            study.run_pool(_work, arguments, workers, len(units(config)), refresh)
-        refresh(every=0)

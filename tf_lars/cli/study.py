@@ -10,7 +10,9 @@ asks (`_claimed`). Worker processes each run many trials (one TensorFlow start).
 
 import concurrent.futures
 import csv
+import functools
 import hashlib
+import importlib
 import io
 import json
 import math
@@ -27,19 +29,24 @@ from tf_lars.cli.config import dump_config
 
 _CONTEXT = {}  # a worker's config, data, validation split and storage URL
 _STOP = []  # the signal the parent sent this worker, once it came
-_NOT_HASHED = ("output_dir", "run_name")
 _NOT_HASHED_STUDY = ("storage", "workers", "confidence", "resamples")
 SCALING_SLACK = 1.2  # Zhang et al. 2024: 20% above perfect scaling
 
 
-def study_key(config):
-    """A hash of what the trials depend on: the studies' names carry it."""
-    kept = {k: v for k, v in config.items() if k not in _NOT_HASHED}
-    kept["study"] = {
-        k: v for k, v in config["study"].items() if k not in _NOT_HASHED_STUDY
-    }
+def config_key(config, block, also=()):
+    """A hash of what a command's trials depend on (not `output_dir`,
+    `run_name`, the keys `also`, nor `block`'s storage, workers and interval
+    settings): the Optuna studies' names carry it."""
+    skip = ("output_dir", "run_name", *also)
+    kept = {k: v for k, v in config.items() if k not in skip}
+    kept[block] = {k: v for k, v in config[block].items() if k not in _NOT_HASHED_STUDY}
     text = json.dumps(kept, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def study_key(config):
+    """`config_key` of a study."""
+    return config_key(config, "study")
 
 
 def units(config):
@@ -50,6 +57,15 @@ def units(config):
 
 def _name(config, entry, batch, part):
     return f"{entry['label']} B={batch} {part} [{study_key(config)}]"
+
+
+# What the shared runner below (`work`, `count_trials`, `execute`) asks of a
+# command's module: its units, a unit's Optuna study names, and `advance`.
+BLOCK = "study"  # the config block with `trials` and `seeds`
+
+
+def unit_name(config, unit, part):
+    return _name(config, *unit, part)
 
 
 def open_storage(url):
@@ -328,10 +344,11 @@ def _objective(config, entry, batch, budget, rerun):
     return objective
 
 
-def _advance(storage, config, entry, batch, progress):
+def advance(storage, config, unit, progress):
     """Runs what a unit still needs; whether it is complete."""
     import optuna
 
+    entry, batch = unit
     budget, seeds = config["study"]["trials"], config["study"]["seeds"]
     stop = optuna.study.MaxTrialsCallback
     with warnings.catch_warnings():
@@ -368,13 +385,14 @@ def _advance(storage, config, entry, batch, progress):
     return len(_complete(reruns)) >= seeds
 
 
-def _work(offset, progress=None):
-    """A worker: every unit, starting at `offset`, until all are complete."""
+def work(command, offset, progress=None):
+    """A worker: every unit of `command` (`tf_lars.cli.study` or `.lowcomm`),
+    starting at `offset`, until all are complete."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    config = _CONTEXT["config"]
-    storage, todo = open_storage(_CONTEXT["url"]), units(config)
+    plan, config = importlib.import_module(command), _CONTEXT["config"]
+    storage, todo = open_storage(_CONTEXT["url"]), plan.units(config)
     todo = todo[offset:] + todo[:offset]
     reported = progress or (lambda study, trial: None)
 
@@ -383,7 +401,7 @@ def _work(offset, progress=None):
         _stop_point()  # between trials
 
     while todo:
-        todo = [u for u in todo if not _advance(storage, config, *u, progress)]
+        todo = [u for u in todo if not plan.advance(storage, config, u, progress)]
         if todo:
             time.sleep(1.0)  # their trials run in other workers
             _stop_point()
@@ -403,32 +421,36 @@ def _init_worker(config, data, validation, url, threads):
         quiet_python_logs()
 
 
-def _counts(storage, config):
+def count_trials(storage, config, command=__name__):
     """Complete trials so far (at most each study's budget), and the total."""
     import optuna
 
-    study, done = config["study"], 0
+    plan = importlib.import_module(command)
+    block, done = config[plan.BLOCK], 0
+    budgets = (("tuning", block["trials"]), ("reruns", block["seeds"]))
     states = (optuna.trial.TrialState.COMPLETE,)
-    for unit in units(config):
-        for part, budget in (("tuning", study["trials"]), ("reruns", study["seeds"])):
+    for unit in plan.units(config):
+        for part, budget in budgets:
             try:
-                found = storage.get_study_id_from_name(_name(config, *unit, part))
+                found = storage.get_study_id_from_name(
+                    plan.unit_name(config, unit, part)
+                )
             except KeyError:
                 continue
             done += min(budget, len(storage.get_all_trials(found, False, states)))
-    return done, len(units(config)) * (study["trials"] + study["seeds"])
+    return done, len(plan.units(config)) * (block["trials"] + block["seeds"])
 
 
-def execute(config, data, validation, url, workers):
-    """Runs every unit's trials in `workers` processes (in this one for 1),
-    under a `rich` progress bar with an ETA."""
+def execute(config, data, validation, url, workers, command=__name__):
+    """Runs every unit's trials of `command` in `workers` processes (in this
+    one for 1), under a `rich` progress bar with an ETA."""
     from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
 
     storage = open_storage(url)
-    done, total = _counts(storage, config)
+    done, total = count_trials(storage, config, command)
     columns = [*Progress.get_default_columns(), MofNCompleteColumn()]
     with Progress(*columns, TimeRemainingColumn(elapsed_when_finished=True)) as bar:
-        task = bar.add_task("study", total=total, completed=done)
+        task = bar.add_task(command.rsplit(".", 1)[-1], total=total, completed=done)
 
         last = [0.0]
 
@@ -436,7 +458,7 @@ def execute(config, data, validation, url, workers):
             # Counting queries every study: every second took 12 CPU minutes
             # of the default study's 56 (docs/guides/cli.md).
             if time.perf_counter() - last[0] >= every:
-                bar.update(task, completed=_counts(storage, config)[0])
+                bar.update(task, completed=count_trials(storage, config, command)[0])
                 last[0] = time.perf_counter()
 
         if workers == 1:
@@ -444,10 +466,13 @@ def execute(config, data, validation, url, workers):
 
             _CONTEXT.update(config=config, data=data, validation=validation, url=url)
             with deferred():
-                _work(0, refresh)
+                work(command, 0, refresh)
         else:
             arguments = (config, data, validation, url)
-            run_pool(_work, arguments, workers, len(units(config)), refresh)
+            count = len(importlib.import_module(command).units(config))
+            run_pool(
+                functools.partial(work, command), arguments, workers, count, refresh
+            )
         refresh(every=0)
 
 
@@ -754,7 +779,7 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
     try:
         execute(config, data, validation, url, workers)
     except KeyboardInterrupt as interrupt:
-        done, total = _counts(open_storage(url), config)
+        done, total = count_trials(open_storage(url), config)
         name = preflight.interruption_name(interrupt)
         preflight.write_text(
             folder, preflight.INTERRUPTED_NOTE,
