@@ -41,20 +41,24 @@ def _results(folder):
     return json.loads((folder / "results.json").read_text())
 
 
-def closed_form_steps(batch, rates, target, dimensions=100, cap=2000):
-    """The fewest steps of constant-rate SGD to an expected loss <= target,
-    over `rates`, from `E[θ_i²]_t = r^t (1 - s) + s` (r = (1 - αh)², s the
-    stationary moment αc / (B h (2 - αh))), not from the recurrence."""
+def closed_form_steps(batches, rates, target, dimensions=100, cap=2000):
+    """Per batch size, the fewest steps of constant-rate SGD to an expected
+    loss <= target, over `rates`, from `E[θ_i²]_t = r^t (1 - s) + s`
+    (r = (1 - αh)², s the stationary moment αc / (B h (2 - αh)) = s₁ / B),
+    not from the recurrence: the loss is ½ (Σ h r^t - Σ h s₁ r^t / B + Σ h s₁ / B),
+    its two sums over i computed once per rate for every batch size."""
     h = 1.0 / np.arange(1, dimensions + 1)
     t = np.arange(1, cap + 1)[:, None]
-    best = np.inf
+    best = dict.fromkeys(batches, np.inf)
     for rate in rates:
-        r = (1 - rate * h) ** 2
-        s = rate * h / (batch * h * (2 - rate * h))
-        loss = 0.5 * (h * (r**t * (1 - s) + s)).sum(axis=1)
-        reached = np.flatnonzero(loss <= target)
-        if reached.size:
-            best = min(best, reached[0] + 1)
+        powers = (1 - rate * h) ** (2 * t)  # r^t, steps x dimensions
+        s1 = rate / (2 - rate * h)  # s times B
+        decaying, carried = powers @ h, powers @ (h * s1)
+        for batch in batches:
+            loss = 0.5 * (decaying - carried / batch + (h * s1).sum() / batch)
+            reached = np.flatnonzero(loss <= target)
+            if reached.size:
+                best[batch] = min(best[batch], reached[0] + 1)
     return best
 
 
@@ -67,7 +71,7 @@ def test_nqm_study_matches_the_closed_form_at_every_batch_size(tmp_path, run_cli
     batches = config["study"]["batch_sizes"]
     assert sorted(rows) == batches
     rates = np.geomspace(0.01, 1.95, 400)
-    exact = {b: closed_form_steps(b, rates, config["study"]["target"]) for b in batches}
+    exact = closed_form_steps(batches, rates, config["study"]["target"])
     for batch in batches:
         assert rows[batch]["reached"]
         assert rows[batch]["steps"] == pytest.approx(exact[batch], rel=0.10), batch
@@ -118,6 +122,36 @@ def test_default_study():
     assert (config["study"]["trials"], config["study"]["seeds"]) == (16, 3)
     assert config["study"]["storage"] is None
     assert [u[1] for u in study.units(config)][:4] == [16] * 4
+
+
+def test_mnist1d_is_generated_once_and_read_back(tmp_path, monkeypatch):
+    import mnist1d.data
+
+    from tf_lars.cli import data
+
+    monkeypatch.setenv("TF_LARS_CACHE", str(tmp_path / "cache"))
+    first = data.load_mnist1d(200, 5)
+    (kept,) = (tmp_path / "cache").iterdir()
+    assert kept.name.startswith("mnist1d-") and kept.name.endswith("-200-5.npz")
+
+    def refuse(arguments):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", refuse)
+    again = data.load_mnist1d(200, 5)
+    for name in data.REQUIRED_ARRAYS:
+        np.testing.assert_array_equal(getattr(again, name), getattr(first, name))
+    assert again.source == first.source
+    # A damaged file is generated again and replaced; nothing partial stays.
+    kept.write_bytes(b"not an npz")
+    monkeypatch.undo()
+    monkeypatch.setenv("TF_LARS_CACHE", str(tmp_path / "cache"))
+    np.testing.assert_array_equal(data.load_mnist1d(200, 5).x_test, first.x_test)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [kept.name]
+    np.load(kept).close()
+    # A folder that cannot be written costs the time only.
+    monkeypatch.setenv("TF_LARS_CACHE", str(kept / "not-a-folder"))
+    np.testing.assert_array_equal(data.load_mnist1d(200, 5).y_train, first.y_train)
 
 
 def test_sweep_is_gone_and_names_study(run_cli, one_line_error):

@@ -47,6 +47,14 @@ if XLA_CACHE_ON and _XLA_CACHE_FLAG not in _XLA_FLAGS.split():
     os.makedirs(XLA_CACHE, exist_ok=True)
     os.environ["TF_XLA_FLAGS"] = f"{_XLA_FLAGS} {_XLA_CACHE_FLAG}".strip()
 
+# Generated data sets (mnist1d) are kept beside it, not in the user's cache
+# (tf_lars/cli/data.py, `cache_folder`): generated once per run folder of
+# pytest, read back by every test and process after.
+os.environ.setdefault(
+    "TF_LARS_CACHE",
+    os.path.join(os.path.dirname(os.path.dirname(XLA_CACHE)), "tf_lars"),
+)
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Public name -> defining module. Sorted by name; one line per name.
 _PUBLIC = {

@@ -236,11 +236,29 @@ def _shard_by_data(dataset):
     return dataset.with_options(options)
 
 
+def _without_autotuning(dataset):
+    """`dataset` with tf.data's autotuning off.
+
+    An autotuned iterator runs a tuning thread that its destructor waits
+    for. A `fit` or `evaluate` that ends leaves its iterator to Python's
+    collector, which frees it at some later allocation, and there the wait
+    took 20 to 80 s of no CPU (seen in `tf-lars study`'s worker processes
+    with py-spy: ~RootDataset::Iterator waiting on its thread, under the
+    collector, in the middle of the next trial's tracing). Arrays in memory
+    need no tuning: a fixed prefetch of 2 batches, and `evaluate` reads a
+    dataset built here rather than one Keras builds, autotuned, from arrays.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
 def make_dataset(x, y, batch_size, seed):
     """Shuffled every epoch, fixed batch size (the remainder is dropped)."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     dataset = dataset.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
-    return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    dataset = dataset.batch(batch_size, drop_remainder=True).prefetch(2)
+    return _without_autotuning(dataset)
 
 
 # Keras 3.15's `fit` makes two iterators of a dataset of known length per
@@ -309,12 +327,13 @@ def evaluation_batch_size(num_examples, replicas, name="data"):
 
 
 def _evaluation_data(x, y, strategy):
-    """`evaluate` arguments: the arrays, or a dataset under a strategy."""
+    """`evaluate` arguments: a dataset of the arrays in batches of
+    `EVALUATION_BATCH_SIZE` (split between the replicas under a strategy)."""
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
     if strategy is None:
-        return {"x": x, "y": y, "batch_size": EVALUATION_BATCH_SIZE}
+        return {"x": _without_autotuning(dataset.batch(EVALUATION_BATCH_SIZE))}
     batch_size = evaluation_batch_size(len(x), strategy.num_replicas_in_sync)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-    return {"x": _shard_by_data(dataset)}
+    return {"x": _shard_by_data(dataset.batch(batch_size))}
 
 
 def build_schedule(schedule_config, peak_learning_rate, steps_per_epoch, epochs):
@@ -488,7 +507,7 @@ def _fit_inputs(data, trial, batch_size, epochs, strategy):
     seed = trial["seed"]
     if strategy is None:
         batches = make_dataset(data.x_train, data.y_train, batch_size, seed)
-        return batches, None, (data.x_test, data.y_test), train, test
+        return batches, None, test["x"], train, test
     batches, steps = make_distributed_dataset(
         data.x_train, data.y_train, batch_size, seed, epochs
     )
@@ -543,7 +562,6 @@ def fit_once(
             epochs=epochs,
             steps_per_epoch=steps,
             validation_data=validation_data if validation else None,
-            validation_batch_size=test_data.get("batch_size"),
             callbacks=[stopper, *callbacks],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself, every epoch
