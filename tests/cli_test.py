@@ -842,3 +842,21 @@ def test_optimizer_blocks_build_the_class_they_name():
     ):
         optimizer = optimizer_from_block({"class_name": class_name, "config": {}})
         assert type(optimizer) is type(cls()), class_name  # the backend subclass
+
+
+def test_the_command_line_datasets_are_not_autotuned():
+    # An autotuned iterator left to Python's collector stalled `tf-lars
+    # study` for 20 to 80 s (docs/guides/cli.md): every dataset `fit` and
+    # `evaluate` read has tf.data's autotuning off, and the evaluation sets
+    # are the arrays in order, in batches of EVALUATION_BATCH_SIZE.
+    from tf_lars.cli import train
+    from tf_lars.cli.train import EVALUATION_BATCH_SIZE, _evaluation_data
+
+    x = np.arange(2100, dtype="float32").reshape(-1, 1)
+    y = np.arange(2100) % 10
+    assert train.make_dataset(x, y, 8, seed=7).options().autotune.enabled is False
+    evaluation = _evaluation_data(x, y, None)["x"]
+    assert evaluation.options().autotune.enabled is False
+    batches = [b[0].numpy()[:, 0] for b in evaluation]
+    assert [len(b) for b in batches] == [EVALUATION_BATCH_SIZE] * 2 + [52]
+    np.testing.assert_array_equal(np.concatenate(batches), x[:, 0])
