@@ -846,9 +846,10 @@ def test_optimizer_blocks_build_the_class_they_name():
 
 def test_the_command_line_datasets_are_not_autotuned():
     # An autotuned iterator left to Python's collector stalled `tf-lars
-    # study` for 20 to 80 s (docs/guides/cli.md): every dataset `fit` and
-    # `evaluate` read has tf.data's autotuning off, and the evaluation sets
-    # are the arrays in order, in batches of EVALUATION_BATCH_SIZE.
+    # study` for 20 to 80 s (docs/guides/cli.md): in one process (a study's
+    # trials) every dataset `fit` and `evaluate` read has tf.data's
+    # autotuning off, and the evaluation sets are the arrays in order, in
+    # batches of EVALUATION_BATCH_SIZE.
     from tf_lars.cli import train
     from tf_lars.cli.train import EVALUATION_BATCH_SIZE, _evaluation_data
 

@@ -115,8 +115,8 @@ def load_mnist1d(num_samples, seed):
     from mnist1d.data import get_dataset_args, make_dataset
 
     version = importlib.metadata.version("mnist1d")
-    name = f"mnist1d-{version}-{num_samples}-{seed}.npz"
-    path, keys = os.path.join(cache_folder(), name), ("x", "y", "x_test", "y_test")
+    folder, keys = cache_folder(), ("x", "y", "x_test", "y_test")
+    path = os.path.join(folder, f"mnist1d-{version}-{num_samples}-{seed}.npz")
     try:
         with np.load(path) as kept:
             made = {key: kept[key] for key in keys}
@@ -126,7 +126,7 @@ def load_mnist1d(num_samples, seed):
         made = make_dataset(arguments)
         partial = f"{path}.{os.getpid()}.partial.npz"
         try:
-            os.makedirs(cache_folder(), exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             np.savez(partial, **{key: made[key] for key in keys})
             os.replace(partial, path)
         except OSError:

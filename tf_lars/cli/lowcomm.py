@@ -52,8 +52,6 @@ LABELS = {
 }
 # Not in the hash: the lists of units (a unit's own name says what it is),
 # so a larger run given the same storage reuses a smaller run's units.
-# Not in the hash: the lists of units (a unit's own name says what it is),
-# so a larger run given the same storage reuses a smaller run's units.
 _UNIT_LISTS = ("workers", "sync_every", "methods", "speeds")
 BLOCK = "tuning"  # for study's shared runner: the block with trials and seeds
 

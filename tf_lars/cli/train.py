@@ -497,21 +497,22 @@ def build_trial(
 
 
 def _fit_inputs(data, trial, batch_size, epochs, strategy):
-    """What `fit` and `evaluate` read: `(batches, steps, validation, train, test)`.
+    """What `fit` and `evaluate` read: `(batches, steps, train, test)`.
 
     `steps` is `fit`'s `steps_per_epoch` (None: the dataset's length);
-    `train` and `test` are `evaluate` arguments.
+    `train` and `test` are `evaluate` arguments (`test["x"]` is `fit`'s
+    validation data too).
     """
     test = _evaluation_data(data.x_test, data.y_test, strategy)
     train = _evaluation_data(data.x_train, data.y_train, strategy)
     seed = trial["seed"]
     if strategy is None:
         batches = make_dataset(data.x_train, data.y_train, batch_size, seed)
-        return batches, None, test["x"], train, test
+        return batches, None, train, test
     batches, steps = make_distributed_dataset(
         data.x_train, data.y_train, batch_size, seed, epochs
     )
-    return batches, steps, test["x"], train, test
+    return batches, steps, train, test
 
 
 def _compile(trial, jit_compile, strategy):
@@ -550,7 +551,7 @@ def fit_once(
     model = trial["model"]
     with deferred(), _dtype_policy(trial["precision"]):
         _compile(trial, jit_compile, strategy)
-        batches, steps, validation_data, train_data, test_data = _fit_inputs(
+        batches, steps, train_data, test_data = _fit_inputs(
             data, trial, batch_size, epochs, strategy
         )
         stopper = _StopOnNonFinite()
@@ -561,7 +562,7 @@ def fit_once(
             batches,
             epochs=epochs,
             steps_per_epoch=steps,
-            validation_data=validation_data if validation else None,
+            validation_data=test_data["x"] if validation else None,
             callbacks=[stopper, *callbacks],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself, every epoch
