@@ -398,3 +398,51 @@ def test_the_suite_keeps_compiled_programs_in_its_cache():
     new = set(os.listdir(XLA_CACHE)) - before
     holding = [n for n in new if constant in pathlib.Path(XLA_CACHE, n).read_bytes()]
     assert len(holding) == 1, sorted(new)
+
+
+def test_code_reading_follows_methods_imports_and_super(tmp_path, capsys):
+    package = tmp_path / "tf_lars"
+    (package / "backend").mkdir(parents=True)
+    (package / "_internals.py").write_text(
+        "def index(o):\n    return hidden(o)\n\n\ndef hidden(o):\n    return 0\n"
+    )
+    (package / "_trust.py").write_text(
+        "def norms(x):\n    return _sq(x)\n\n\ndef _sq(x):\n    return x\n\n\n"
+        "def unused():\n    pass\n"
+    )
+    (package / "lars.py").write_text(
+        "from tf_lars import _internals, _trust\n\n\n"
+        "class LARS:\n"
+        "    def _backend_update_step(self, g):\n"
+        "        self.update_step(g)\n\n"
+        "    def update_step(self, g):\n"
+        "        _internals.index(self)\n"
+        "        return (lambda: _trust.norms(g))()\n\n"
+        "    def get_config(self):\n        return {}\n"
+    )
+    (package / "backend" / "tensorflow.py").write_text(
+        "from tf_lars import lars\n\n\n"
+        "class LARS(lars.LARS):\n"
+        "    def update_step(self, g):\n"
+        "        return super().update_step(g) + fused(g)\n\n\n"
+        "def fused(g):\n    return g\n"
+    )
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "a_test.py").write_text("x = 1\n")
+    code_reading = benchmark_scripts.load("code_reading")
+    code_reading.main(["--root", str(tmp_path), "--list"])
+    rows = capsys.readouterr().out.splitlines()
+    # Portable: the entry, update_step, the fence's accessor (not what it
+    # calls) and the two functions of _trust the lambda reaches; not
+    # get_config, not _trust.unused. Lines: 2 + 3 + 2 + 2 + 2.
+    assert rows[2] == "| LARS | 5 | 11 | 3 | 3 (lars) |"
+    # TensorFlow: its own update_step, the portable one through super(),
+    # and its module's `fused`, besides the portable row's: 11 + 2 + 2 lines.
+    assert "| LARS, TensorFlow | 7 | 15 | 4 | 2 (backend.tensorflow) |" in rows
+    assert "|   | tf_lars.backend.tensorflow: fused | | | |" in rows
+    assert not any("hidden" in row or "unused" in row for row in rows)
+    sizes = rows[rows.index("| part | lines | budget |") + 2 :]
+    # wc -l: 6 + 10 + 13 + 10 lines.
+    assert sizes[0] == "| package `tf_lars/` | 39 | 8,000 |"
+    assert sizes[1] == "| core (`tf_lars/*.py`, `backend/`) | 39 | 3,500 |"
+    assert sizes[4] == "| `tests/` | 1 | 10,000 |"
