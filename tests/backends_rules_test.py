@@ -6,9 +6,10 @@ tests/lamb_reference.py), never a backend's own API, except the JAX-only
 `stateless_apply` under `jax.jit` and the TensorFlow-only comparison of each
 override of the TensorFlow subclasses (tf_lars/backend/tensorflow.py) with
 the portable rule it overrides (tf_lars/lars.py, trust_ratio.py, lamb.py,
-_trust.py).
-Modes: an eager `apply`; `stateless_apply` under `jax.jit` (JAX);
-`model.fit` with `jit_compile=True` (TensorFlow, JAX) and `False`.
+_trust.py): the norms' range, the compiled backends' recomputed LAMB norm,
+TrustRatio around every Keras optimizer. Each rule's reference values in
+every mode and `model.fit`, with and without the "<1d>" exclusions, are the
+contract table's (tests/contract_test.py, tests/optimizer_table.py).
 """
 
 import contextlib
@@ -43,117 +44,14 @@ if BACKEND == "tensorflow":  # the fast kernels' tests (ONLY_TENSORFLOW)
 
     from tf_lars.backend import tensorflow as tf_backend
 
-# ------------------------------------------------------------- references
-
-
-class LarsReference:
-    """`lars_reference.dense_step` over the kernel and the bias, step by step."""
-
-    def __init__(self, lr, options, decayed, adapted):
-        self.lr, self.options = lr, options
-        self.decayed, self.adapted = decayed, adapted
-        self.slots = None
-
-    def __call__(self, weights, grads):
-        if self.slots is None:
-            self.slots = [np.zeros_like(w, np.float64) for w in weights]
-        new, ratios = [], []
-        for i, (w, g) in enumerate(zip(weights, grads, strict=True)):
-            w, self.slots[i], ratio = lars_ref.dense_step(
-                w,
-                g,
-                self.slots[i],
-                self.lr,
-                decayed=self.decayed[i],
-                adapted=self.adapted[i],
-                **self.options,
-            )
-            new.append(w)
-            ratios.append(ratio)
-        return new, ratios
-
-
-class WrappedReference:
-    """`lamb_reference.wrapped_run`, one step per call, state kept across calls."""
-
-    def __init__(self, lr, direction, **options):
-        self.lr, self.direction, self.options = lr, direction, options
-        self.state, self.t = {}, 0
-
-    def __call__(self, weights, grads):
-        self.t += 1
-        direction = lambda _state, i, g, _t: self.direction(self.state, i, g, self.t)  # noqa: E731
-        return ref.wrapped_run(weights, [grads], self.lr, direction, **self.options)
-
-
-def lamb_direction(beta_1=0.9, beta_2=0.999, epsilon=1e-6):
-    """LAMB's Adam: epsilon after the bias correction (docs/algorithms.md)."""
-
-    def direction(state, i, g, t):
-        m, v = ref.adam_moments(state, i, g, beta_1, beta_2)
-        return (m / (1 - beta_1**t)) / (np.sqrt(v / (1 - beta_2**t)) + epsilon)
-
-    return direction
-
-
-# Kernel (4, 3) and bias (3,): the bias is excluded from weight decay and
-# adaptation by the "<1d>" entry where a case excludes.
-EXCLUDE = {"exclude_from_weight_decay": [tf_lars.lars.ALL_1D]}
-LARS_CASES = {
-    "paper": {"weight_decay": 0.01},
-    "decayed": {"weight_decay": 0.01, "trust_ratio": "decayed", "epsilon": 1e-6},
-    "clip": {"weight_decay": 0.01, "trust_clip": True, "trust_coefficient": 0.5},
-    "contrib": {"classic_momentum": False, "decay_in_gradient": False},
-    "nesterov": {"weight_decay": 0.01, "nesterov": True},
-    "contrib_nesterov": {"classic_momentum": False, "nesterov": True},
-}
-CASES = [f"lars_{name}" for name in LARS_CASES] + ["trust_sgd", "trust_adam", "lamb"]
-
-
-def make_case(case):
-    """`(optimizer, reference)` for one case, both fresh."""
-    decayed, adapted = [True, False], [True, False]
-    if case.startswith("lars_"):
-        options = {"momentum": 0.9, "trust_coefficient": 0.02}
-        options.update(LARS_CASES[case.removeprefix("lars_")])
-        lr = 0.5
-        optimizer = tf_lars.LARS(learning_rate=lr, **options, **EXCLUDE)
-        return optimizer, LarsReference(lr, options, decayed, adapted)
-    if case == "lamb":
-        # No exclusions: the reference is also checked against optax's LAMB.
-        optimizer = tf_lars.LAMB(learning_rate=0.01, weight_decay=0.01)
-        return optimizer, WrappedReference(0.01, lamb_direction(), weight_decay=0.01)
-    lr = 0.1
-    if case == "trust_sgd":
-        inner = keras.optimizers.SGD(lr, momentum=0.9)
-        direction = ref.keras_sgd_direction(lr, 0.9)
-    else:
-        inner = keras.optimizers.Adam(lr, epsilon=1e-3)
-        direction = ref.keras_adam_direction(epsilon=1e-3)
-    optimizer = tf_lars.TrustRatio(inner, weight_decay=0.01, **EXCLUDE)
-    reference = WrappedReference(
-        lr, direction, weight_decay=0.01, decayed=decayed, adapted=adapted
-    )
-    return optimizer, reference
-
-
 # ------------------------------------------------------------------ drivers
 
 RNG = np.random.default_rng(7)
-X = RNG.normal(size=(8, 4)).astype("float32")
-Y = RNG.normal(size=(8, 3)).astype("float32")
 START = [
     RNG.normal(size=(4, 3)).astype("float32"),
     RNG.normal(size=3).astype("float32") * 0.1,
 ]
 GRADS = [[RNG.normal(size=w.shape).astype("float32") for w in START] for _ in range(3)]
-
-
-def mse_gradients(weights):
-    """d/dW, d/db of Keras's "mse" (mean over outputs and batch) of X W + b."""
-    kernel, bias = weights
-    residual = 2.0 * (X @ kernel + bias - Y) / Y.size
-    return [X.T.astype(np.float64) @ residual, residual.sum(axis=0)]
 
 
 def run_apply(optimizer, grads):
@@ -179,51 +77,15 @@ def run_stateless_jit(optimizer, grads, start=START):
     return [np.asarray(t) for t in trainable], state[position]
 
 
-def run_fit(optimizer, jit_compile):
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.set_weights(START)
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
-    model.fit(X, Y, batch_size=len(X), epochs=STEPS, shuffle=False, verbose=0)
-    return model.get_weights(), optimizer.trust_ratios
-
-
-MODES = ["apply", "fit_no_jit"]
-if BACKEND == "jax":
-    MODES += ["stateless_jit"]
-if BACKEND in ("jax", "tensorflow"):
-    MODES += ["fit_jit"]
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES)
-def test_every_mode_gives_the_reference_numbers(case, mode):
-    optimizer, reference = make_case(case)
-    weights = [w.astype(np.float64) for w in START]
-    ratios = None
-    for step in range(STEPS):
-        grads = GRADS[step] if mode in ("apply", "stateless_jit") else None
-        weights, ratios = reference(weights, grads or mse_gradients(weights))
-    if mode == "apply":
-        got, got_ratios = run_apply(optimizer, GRADS)
-    elif mode == "stateless_jit":
-        got, got_ratios = run_stateless_jit(optimizer, GRADS)
-    else:
-        got, got_ratios = run_fit(optimizer, jit_compile=mode == "fit_jit")
-    for value, want in zip(got, weights, strict=True):
-        np.testing.assert_allclose(value, want, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(ops.convert_to_numpy(got_ratios), ratios, rtol=2e-5)
-
-
-def test_lamb_reference_is_optax_lamb():
-    # The step-by-step LAMB reference above equals the independent
-    # transcription of optax.lamb, so the mode test checks LAMB against it.
-    want = ref.optax_lamb(START, GRADS, 0.01, weight_decay=0.01)
-    reference = WrappedReference(0.01, lamb_direction(), weight_decay=0.01)
-    weights = [w.astype(np.float64) for w in START]
-    for grads in GRADS:
-        weights, _ = reference(weights, grads)
-    for value, expected in zip(weights, want, strict=True):
-        np.testing.assert_allclose(value, expected, rtol=1e-7)
+# Each rule's reference values through `apply` in every mode (JAX:
+# `stateless_apply` under `jax.jit`) and through `model.fit` with and
+# without `jit_compile`, the trust ratios beside the weights, with and
+# without the "<1d>" exclusions: tests/contract_test.py,
+# `test_apply_follows_the_numpy_reference` and
+# `test_fit_follows_the_numpy_reference` (rows `lars_*`, `trust_ratio_*`,
+# `lamb`), where this file's `test_every_mode_gives_the_reference_numbers`
+# was. LAMB against optax.lamb on every backend: below, and
+# tests/lamb_test.py, `test_row_optax_lamb`.
 
 
 @pytest.mark.parametrize("scale", lars_ref.MAGNITUDES)
@@ -792,7 +654,14 @@ def test_tf_xla_lamb_norm_recomputes_the_stored_direction(scale, monkeypatch):
 def test_tf_compiled_apply_equals_the_portable_apply():
     got = []
     for jit_compile in (True, False):
-        optimizer, _ = make_case("lars_nesterov")
+        optimizer = tf_lars.LARS(
+            learning_rate=0.5,
+            momentum=0.9,
+            trust_coefficient=0.02,
+            weight_decay=0.01,
+            nesterov=True,
+            exclude_from_weight_decay=[tf_lars.lars.ALL_1D],
+        )
         optimizer.jit_compile = jit_compile
         got.append(run_apply(optimizer, GRADS)[0])
     for a, b in zip(*got, strict=True):

@@ -110,14 +110,24 @@ def test_apply_follows_the_numpy_reference(name, dtype, mode):
     for variable in variables:
         assert keras.backend.standardize_dtype(variable.dtype) == dtype
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == STEPS
-    # LARS's state: its momentum slots, and the trust ratios of the last step.
+    # LARS's momentum slots, and every adaptive optimizer's trust ratios of
+    # the last step.
     for lars in under_test.inner_chain(optimizer):
-        if not isinstance(lars, tf_lars.LARS):
-            continue
-        if lars.momentum:
+        if isinstance(lars, tf_lars.LARS) and lars.momentum:
             what = f"{mode} momentum"
             _assert_close(lars.momentums, reference.velocities, dtype, what, row)
-        ratios = keras.ops.convert_to_numpy(lars.trust_ratios)
+    _assert_ratios(optimizer, reference)
+
+
+def _assert_ratios(optimizer, reference):
+    """The trust ratios each adaptive optimizer in the chain recorded equal
+    the reference's of the last step (rows with `EXCLUDE`: 1 for the
+    excluded variables)."""
+    adaptive = [
+        o for o in under_test.inner_chain(optimizer) if hasattr(o, "trust_ratios")
+    ]
+    for one in adaptive:
+        ratios = keras.ops.convert_to_numpy(one.trust_ratios)
         np.testing.assert_allclose(ratios, reference.ratios, rtol=1e-5, atol=0)
 
 
@@ -189,6 +199,7 @@ def test_fit_follows_the_numpy_reference(name, jit_compile):
         x64, y64 = x[rows].astype(np.float64), y[rows].astype(np.float64)
         weights = step(_mse_gradients(*weights, x64, y64))
     _assert_close(model.weights, weights, "float32", f"jit_compile={jit_compile}")
+    _assert_ratios(model.optimizer, step)
     assert np.isfinite(history.history["loss"][-1])
 
 
@@ -565,3 +576,74 @@ def test_sparse_gradient_rows_follow_the_numpy_reference(name, mode):
     for adaptive in under_test.inner_chain(optimizer):
         if hasattr(adaptive, "trust_ratios"):
             np.testing.assert_array_equal(_numpy(adaptive.trust_ratios), [1.0])
+
+
+# ------------------------------------------------------------------ refusals
+#: Every class, built around `inner` where it wraps one.
+BUILDERS = {
+    "LARS": lambda inner, **arguments: tf_lars.LARS(**arguments),
+    "LAMB": lambda inner, **arguments: tf_lars.LAMB(**arguments),
+    "TrustRatio": tf_lars.TrustRatio,
+    "LossScaleOptimizer": tf_lars.LossScaleOptimizer,
+    "DiLoCo": tf_lars.DiLoCo,
+}
+if BACKEND == "tensorflow":
+    BUILDERS["AGN"] = tf_lars.AGN
+#: What `from_config` says of a key the class does not have.
+UNKNOWN_KEY = {
+    "LARS": "Unknown key(s) in LARS config: ['bogus']",
+    "LAMB": "Unknown key(s) in LAMB config: ['bogus']",
+    "TrustRatio": "Unknown key(s) in TrustRatio config: ['bogus']",
+    "DiLoCo": "Unknown key(s) in DiLoCo config: ['bogus']",
+    "LossScaleOptimizer": "LossScaleOptimizer does not support arguments: `bogus`",
+    "AGN": "Argument(s) not recognized by AGN: ['bogus']",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_from_config_refuses_an_unknown_key(name):
+    optimizer = BUILDERS[name](keras.optimizers.SGD(0.1))
+    config = dict(optimizer.get_config(), bogus=1)
+    with pytest.raises(ValueError) as error:
+        type(optimizer).from_config(config)
+    assert str(error.value).startswith(UNKNOWN_KEY[name])
+
+
+#: The float arguments each rule keeps in float32 variables or steps.
+FLOAT32_ARGUMENTS = [
+    (name, argument)
+    for name, arguments in {
+        "LARS": ["learning_rate", "weight_decay", "trust_coefficient", "epsilon"],
+        "LAMB": ["learning_rate", "weight_decay", "trust_coefficient", "epsilon"],
+        "TrustRatio": ["weight_decay", "trust_coefficient", "epsilon"],
+    }.items()
+    for argument in arguments
+]
+
+
+@pytest.mark.parametrize("value", [1e300, 3.5e38])
+@pytest.mark.parametrize("name, argument", FLOAT32_ARGUMENTS)
+def test_numbers_beyond_float32_are_refused(name, argument, value):
+    # Finite in Python, inf in the float32 variable or step (1e300 used to
+    # make LARS's learning-rate variable inf and every weight NaN).
+    build = BUILDERS[name]
+    with pytest.raises(ValueError) as error:
+        build(keras.optimizers.SGD(), **{argument: value})
+    message = str(error.value)
+    assert message.startswith(f"`{argument}` must be at most 3.4028235e+38")
+    assert message.endswith(f"Received: {argument}={value!r}")
+    build(keras.optimizers.SGD(), **{argument: 3.4e38})  # the largest are accepted
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(set(BUILDERS) - {"LARS", "LAMB"}),  # the wrappers
+)
+def test_an_inner_learning_rate_beyond_float32_is_refused(name):
+    # Keras keeps 1e300 as inf in its float32 variable; every step was NaN.
+    with pytest.raises(ValueError) as error:
+        BUILDERS[name](keras.optimizers.SGD(learning_rate=1e300))
+    assert str(error.value) == (
+        "`inner_optimizer.learning_rate` must be finite in float32 (at most "
+        "3.4028235e+38). Received: inner_optimizer=SGD with learning_rate=inf"
+    )

@@ -396,10 +396,11 @@ def test_get_config_round_trips():
     assert isinstance(again, DiLoCo) and again.get_config() == config
 
 
-def test_from_config_refuses_an_unknown_key():
-    config = DiLoCo(keras.optimizers.SGD(0.1)).get_config()
-    with pytest.raises(ValueError, match=r"Unknown key\(s\) in DiLoCo config: \['H'\]"):
-        DiLoCo.from_config({**config, "H": 3})
+# Unknown config keys and numbers beyond float32, refused for every class
+# (this file's tests of them are there): tests/contract_test.py,
+# `test_from_config_refuses_an_unknown_key`,
+# `test_numbers_beyond_float32_are_refused`,
+# `test_an_inner_learning_rate_beyond_float32_is_refused`.
 
 
 _SAME = keras.optimizers.SGD(0.1)

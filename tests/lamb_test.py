@@ -349,23 +349,15 @@ def test_bad_arguments_raise_naming_the_argument(kwargs, fragment):
     assert fragment in str(error.value), str(error.value)
 
 
-def test_unknown_config_key_is_refused():
-    config = tf_lars.LAMB().get_config()
-    config["eta"] = 1.0
-    with pytest.raises(ValueError, match=r"Unknown key\(s\) in LAMB config"):
-        tf_lars.LAMB.from_config(config)
+# Unknown config keys and numbers beyond float32, refused for every class
+# (this file's tests of them are there): tests/contract_test.py,
+# `test_from_config_refuses_an_unknown_key`,
+# `test_numbers_beyond_float32_are_refused`,
+# `test_an_inner_learning_rate_beyond_float32_is_refused`.
 
 
 # LAMB and TrustRatio under MirroredStrategy: tests/lars_test.py's
 # test_mirrored_strategy_uses_all_reduced_gradient runs them with LARS.
-
-
-@pytest.mark.parametrize("argument", ["learning_rate", "weight_decay", "epsilon"])
-def test_numbers_beyond_float32_are_refused(argument):
-    with pytest.raises(
-        ValueError, match=rf"`{argument}` must be at most 3.4028235e\+38"
-    ):
-        tf_lars.LAMB(**{argument: 1e300})
 
 
 # Machine epsilon of the 16-bit floats: 2**-7 (bfloat16), 2**-10 (float16).

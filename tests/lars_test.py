@@ -469,13 +469,11 @@ def test_integers_are_accepted_where_floats_are():
 
 
 # --------------------------------------------------------------- serialization
-def test_unknown_config_key_is_refused():
-    config = tf_lars.LARS().get_config()
-    config["eeta"] = 0.001
-    with pytest.raises(
-        ValueError, match=r"Unknown key\(s\) in LARS config: \['eeta'\]"
-    ):
-        tf_lars.LARS.from_config(config)
+# Unknown config keys and numbers beyond float32, refused for every class
+# (this file's tests of them are there): tests/contract_test.py,
+# `test_from_config_refuses_an_unknown_key`,
+# `test_numbers_beyond_float32_are_refused`,
+# `test_an_inner_learning_rate_beyond_float32_is_refused`.
 
 
 def _regression_data():
@@ -714,21 +712,6 @@ def test_python_list_gradients_trace_the_compiled_apply_once():
     (compiled,) = optimizer._compiled_apply.values()
     assert compiled.experimental_get_tracing_count() == 1
     assert optimizer.iterations.numpy() == 6
-
-
-@pytest.mark.parametrize(
-    "argument", ["learning_rate", "weight_decay", "trust_coefficient", "epsilon"]
-)
-@pytest.mark.parametrize("value", [1e300, 3.5e38])
-def test_numbers_beyond_float32_are_refused(argument, value):
-    # Finite in Python, inf in the float32 variable or step (1e300 used to
-    # make the learning-rate variable inf and every weight NaN).
-    with pytest.raises(ValueError) as error:
-        tf_lars.LARS(**{argument: value})
-    message = str(error.value)
-    assert message.startswith(f"`{argument}` must be at most 3.4028235e+38")
-    assert message.endswith(f"Received: {argument}={value!r}")
-    tf_lars.LARS(**{argument: 3.4e38})  # the largest float32s are accepted
 
 
 @pytest.mark.parametrize("compiled", ["eager", "jit"])

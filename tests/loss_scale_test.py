@@ -750,9 +750,11 @@ def test_counters_are_written_through_self_assign():
     assert int(optimizer.skipped_steps) == 1
 
 
-def test_inner_learning_rate_beyond_float32_is_refused():
-    with pytest.raises(ValueError, match="SGD with learning_rate=inf"):
-        tf_lars.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=1e300))
+# Unknown config keys and numbers beyond float32, refused for every class
+# (this file's tests of them are there): tests/contract_test.py,
+# `test_from_config_refuses_an_unknown_key`,
+# `test_numbers_beyond_float32_are_refused`,
+# `test_an_inner_learning_rate_beyond_float32_is_refused`.
 
 
 # One loss scale, wherever it sits: a wrapper that holds one (DiLoCo, AGN)

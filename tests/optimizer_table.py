@@ -31,21 +31,35 @@ LARS_BASE = {
     "trust_coefficient": 0.02,
     "epsilon": 1e-5,
 }
+#: `EXCLUDE` in a row: tensors of at most one dimension (the scalar and the
+#: vector of the reference problem, a Dense layer's bias) take no weight
+#: decay and no trust ratio ("<1d>": LARS's and TrustRatio's adaptation
+#: follows the decay's list by default).
+EXCLUDE = {"exclude_from_weight_decay": ["<1d>"]}
 LARS_VARIANTS = {
     "lars_paper": {},
-    "lars_decayed": {"trust_ratio": "decayed", "nesterov": True},
-    "lars_clip": {"trust_clip": True, "epsilon": 1e-8},
+    "lars_decayed": {"trust_ratio": "decayed", "nesterov": True, **EXCLUDE},
+    "lars_clip": {"trust_clip": True, "epsilon": 1e-8, **EXCLUDE},
     "lars_contrib": {"classic_momentum": False, "decay_in_gradient": False},
     "lars_nesterov": {"nesterov": True},
     "lars_contrib_nesterov": {
         "classic_momentum": False,
         "decay_in_gradient": False,
         "nesterov": True,
+        **EXCLUDE,
     },
 }
 
 
+def _included(config, weight, sparse):
+    """Whether `weight` takes decay and the trust ratio under `config`."""
+    excluded = "exclude_from_weight_decay" in config and np.ndim(weight) <= 1
+    return not (sparse or excluded)
+
+
 def _lars_reference(config):
+    rule = {k: v for k, v in config.items() if k != "exclude_from_weight_decay"}
+
     def make(weights, sparse=False):
         w = [np.array(x, np.float64) for x in weights]
         v = [np.zeros_like(x) for x in w]
@@ -53,8 +67,9 @@ def _lars_reference(config):
 
         def step(grads):
             for i, g in enumerate(grads):
+                included = _included(config, w[i], sparse)
                 w[i], v[i], ratios[i] = lars_ref.dense_step(
-                    w[i], g, v[i], LR, decayed=not sparse, adapted=not sparse, **config
+                    w[i], g, v[i], LR, decayed=included, adapted=included, **rule
                 )
             return [x.copy() for x in w]
 
@@ -75,29 +90,35 @@ def _ratio_reference(
     epsilon=0.0,
     trust_clip=False,
     adapted=True,
+    **exclude,
 ):
     """`w <- w - LR * T * (d + weight_decay * w)` around an inner direction
-    (tests/lamb_reference.py, `wrapped_run`); `adapted=False` is plain `d`."""
+    (tests/lamb_reference.py, `wrapped_run`); `adapted=False` is plain `d`;
+    `exclude` is a row's `EXCLUDE` or nothing."""
 
     def make(weights, sparse=False):
         w = [np.array(x, np.float64) for x in weights]
         state, count = {}, [0]
         inner = direction()
-        decay = 0.0 if sparse else weight_decay
+        ratios = [1.0] * len(w)
 
         def step(grads):
             count[0] += 1
             for i, g in enumerate(grads):
+                included = _included(exclude, w[i], sparse)
                 d = inner(state, i, np.asarray(g, np.float64), count[0])
-                u = d + decay * w[i]
-                ratio = 1.0
-                if adapted and not sparse:
-                    ratio = lamb_ref.trust_ratio(
+                u = d + (weight_decay if included else 0.0) * w[i]
+                ratios[i] = 1.0
+                if adapted and included:
+                    ratios[i] = lamb_ref.trust_ratio(
                         w[i], u, trust_coefficient, epsilon, trust_clip
                     )
-                w[i] = w[i] - LR * ratio * u
+                w[i] = w[i] - LR * ratios[i] * u
             return [x.copy() for x in w]
 
+        # The last step's trust ratios (TrustRatio's and LAMB's
+        # `trust_ratios`; 1 for every variable where `adapted=False`).
+        step.ratios = ratios
         return step
 
     return make
@@ -216,14 +237,14 @@ def _rows():
         lambda: lamb_ref.keras_rmsprop_direction(0.9, 1e-3),
     )
     ratio_flags = {"weight_decay": 0.1, "trust_clip": True, "epsilon": 1e-3}
-    for name, (make_inner, direction) in {
-        "trust_ratio_momentum": momentum,
-        "trust_ratio_adam": adam,
-        "trust_ratio_rmsprop": rmsprop,
-    }.items():
+    for name, (make_inner, direction), exclude in (
+        ("trust_ratio_momentum", momentum, EXCLUDE),
+        ("trust_ratio_adam", adam, {}),
+        ("trust_ratio_rmsprop", rmsprop, EXCLUDE),
+    ):
         rows[name] = UnderTest(
-            _trust_ratio(make_inner, **ratio_flags),
-            _ratio_reference(direction, **ratio_flags),
+            _trust_ratio(make_inner, **ratio_flags, **exclude),
+            _ratio_reference(direction, **ratio_flags, **exclude),
             "trust_ratio",
         )
     lars = dict(LARS_BASE, **LARS_VARIANTS["lars_paper"])

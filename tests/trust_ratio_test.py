@@ -268,6 +268,11 @@ def test_learning_rate_is_the_inner_optimizers():
             lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), trust_clip=1),
             "trust_clip=1",
         ),
+        (  # the inner optimizer's (was a TypeError from Keras's base class)
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), learning_rate=0.1),
+            "`learning_rate` is not supported by TrustRatio; set it on "
+            "`inner_optimizer`. Received: learning_rate=0.1",
+        ),
         (
             lambda: tf_lars.TrustRatio(
                 keras.optimizers.SGD(), exclude_from_weight_decay=["[x"]
@@ -297,22 +302,11 @@ def test_python_list_gradients_trace_the_compiled_apply_once():
     assert optimizer.inner_optimizer.iterations.numpy() == 6
 
 
-@pytest.mark.parametrize("argument", ["weight_decay", "trust_coefficient", "epsilon"])
-def test_numbers_beyond_float32_are_refused(argument):
-    with pytest.raises(
-        ValueError, match=rf"`{argument}` must be at most 3.4028235e\+38"
-    ):
-        tf_lars.TrustRatio(keras.optimizers.SGD(), **{argument: 1e300})
-
-
-def test_inner_learning_rate_beyond_float32_is_refused():
-    # Keras keeps 1e300 as inf in its float32 variable; every step was NaN.
-    with pytest.raises(ValueError) as error:
-        tf_lars.TrustRatio(keras.optimizers.Adam(learning_rate=1e300))
-    assert str(error.value).startswith(
-        "`inner_optimizer.learning_rate` must be finite in float32"
-    )
-    assert "Adam with learning_rate=inf" in str(error.value)
+# Unknown config keys and numbers beyond float32, refused for every class
+# (this file's tests of them are there): tests/contract_test.py,
+# `test_from_config_refuses_an_unknown_key`,
+# `test_numbers_beyond_float32_are_refused`,
+# `test_an_inner_learning_rate_beyond_float32_is_refused`.
 
 
 # TrustRatio around every optimizer Keras exports: tests/backends_rules_test.py

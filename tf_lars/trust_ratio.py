@@ -240,6 +240,12 @@ class TrustRatio(
         **kwargs,
     ):
         check_inner_optimizer(inner_optimizer)
+        rate = kwargs.pop("learning_rate", None)
+        if rate not in (None, 0.0):  # 0.0: the base's placeholder below
+            raise ValueError(
+                "`learning_rate` is not supported by TrustRatio; set it on "
+                f"`inner_optimizer`. Received: learning_rate={rate!r}"
+            )
         super().__init__(
             learning_rate=0.0,  # unused: the inner optimizer's rate applies
             weight_decay=None,  # the wrapper's decay sits inside the ratio
