@@ -76,6 +76,10 @@ def _check_arguments(inner_optimizer, initial_scale, dynamic, kwargs):
                 f"{name}={kwargs[name]!r}"
             )
         kwargs.pop(name, None)
+    if kwargs:  # Keras 3.15's words (3.8 to 3.11 said "not recognized")
+        raise ValueError(
+            f"LossScaleOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
+        )
 
 
 def _check_float_gradients(grads, variables):
