@@ -230,15 +230,8 @@ def test_zero_weights_and_zero_gradients_give_ratio_one():
 # (float64 to 1e-10 of each value, the table's row `lamb`).
 
 
-def test_loss_scale_wrapped_equals_unscaled():
-    weights, grads = _problem("float32", seed=8)
-    plain = _run(tf_lars.LAMB(LR, weight_decay=0.1), weights, grads, "float32")
-    scale = 2.0**10
-    wrapped = tf_lars.LossScaleOptimizer(
-        tf_lars.LAMB(LR, weight_decay=0.1), initial_scale=scale, dynamic=False
-    )
-    scaled = [[g * scale for g in step] for step in grads]
-    _close(_run(wrapped, weights, scaled, "float32"), plain, "float32")
+# LAMB inside tf_lars's loss scale fits as LAMB without one: tests/loss_scale_test.py,
+# `test_one_loss_scale_around_the_adaptive_optimizers[mixed_bfloat16-LAMB]`.
 
 
 def test_agn_with_period_one_follows_plain_lamb():

@@ -168,22 +168,9 @@ def test_sparse_rows_take_the_inner_update_without_ratio(compiled):
     assert optimizer.trust_ratios.numpy()[0] == 1.0
 
 
-def test_loss_scale_wrapped_equals_unscaled():
-    weights, grads = _problem("float32", seed=5)
-    config = {"weight_decay": 0.1}
-    plain = _run(
-        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config),
-        weights,
-        grads,
-        "float32",
-    )
-    scale = 2.0**12
-    wrapped = tf_lars.LossScaleOptimizer(
-        tf_lars.TrustRatio(keras.optimizers.Adam(LR), **config), initial_scale=scale
-    )
-    scaled = [[g * scale for g in step] for step in grads]
-    actual = _run(wrapped, weights, scaled, "float32")
-    _close(actual, [p.numpy() for p in plain], "float32")
+# TrustRatio(Adam) inside tf_lars's loss scale fits as without one:
+# tests/loss_scale_test.py, `test_one_loss_scale_around_the_adaptive_optimizers`
+# (`[mixed_bfloat16-TrustRatio_Adam]`).
 
 
 def _refused_inner_optimizers():
