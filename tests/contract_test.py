@@ -441,19 +441,32 @@ def test_default_name_is_numbered_like_keras_optimizers(name):
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_tuples_and_python_lists_are_accepted(name, mode):
     row = ROWS[name]
-    weights, grads = _problem("float32", seed=2, shapes=[(3,), (2, 3)], steps=2)
+    weights, grads = _problem("float32", seed=2, shapes=[(3,), (2, 3)], steps=3)
     optimizer = row.make()
+    if mode == "eager":
+        optimizer.jit_compile = False  # op by op, not the compiled eager apply
     variables = tuple(keras.Variable(w) for w in weights)
     scale = row.gradient_scale
     optimizer.apply(
         tuple(harness.tensor(g * scale, "float32") for g in grads[0]), variables
     )
-    # Python lists as gradients; (gradient, variable) tuples.
+    # Python lists as gradients; (gradient, variable) tuples; then NumPy.
     pairs = tuple(
         ((g * scale).tolist(), v) for g, v in zip(grads[1], variables, strict=True)
     )
     optimizer.apply_gradients(pairs)
+    optimizer.apply([np.float32(g * scale) for g in grads[2]], list(variables))
     _assert_close(variables, _reference(row, weights, grads), "float32")
+    # TensorFlow's compiled eager apply is traced once for the three kinds
+    # of gradients (each optimizer in the chain that has one).
+    compiled = [
+        f
+        for one in under_test.inner_chain(optimizer)
+        for f in vars(one).get("_compiled_apply", {}).values()
+    ]
+    if mode == "default" and isinstance(optimizer, tf_lars.LARS | tf_lars.TrustRatio):
+        assert compiled, "no compiled eager apply"
+    assert [f.experimental_get_tracing_count() for f in compiled] == [1] * len(compiled)
 
 
 def _record_writes(optimizer, variable):

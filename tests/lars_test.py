@@ -703,15 +703,9 @@ def test_optimizer_variables_are_written_through_self_assign(sparse):
         assert all(s for n, s in through_optimizer if (n, s) != ("assign", False))
 
 
-def test_python_list_gradients_trace_the_compiled_apply_once():
-    variable = keras.Variable(np.ones((2, 3), "float32"))
-    optimizer = tf_lars.LARS(learning_rate=0.1)
-    for step in range(3):
-        optimizer.apply([[[0.1 * step] * 3] * 2], [variable])
-        optimizer.apply([np.full((2, 3), 0.2, "float32")], [variable])
-    (compiled,) = optimizer._compiled_apply.values()
-    assert compiled.experimental_get_tracing_count() == 1
-    assert optimizer.iterations.numpy() == 6
+# Python lists (and NumPy arrays, tensors) as gradients, the compiled eager
+# apply traced once: tests/contract_test.py,
+# `test_tuples_and_python_lists_are_accepted[default-...]` (every row).
 
 
 @pytest.mark.parametrize("compiled", ["eager", "jit"])

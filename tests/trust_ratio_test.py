@@ -274,19 +274,9 @@ def test_bad_arguments_raise_naming_the_argument(make, fragment):
     assert fragment in str(error.value), str(error.value)
 
 
-# Keras's optimizer contract (as for LARS in tests/lars_test.py).
-
-
-def test_python_list_gradients_trace_the_compiled_apply_once():
-    variable = keras.Variable(np.ones((2, 3), "float32"))
-    optimizer = tf_lars.TrustRatio(keras.optimizers.Adam(0.1))
-    for step in range(3):
-        optimizer.apply([[[0.1 * step + 0.1] * 3] * 2], [variable])
-        optimizer.apply([np.full((2, 3), 0.2, "float32")], [variable])
-    (compiled,) = optimizer._compiled_apply.values()
-    assert compiled.experimental_get_tracing_count() == 1
-    assert optimizer.iterations.numpy() == 6
-    assert optimizer.inner_optimizer.iterations.numpy() == 6
+# Python lists (and NumPy arrays, tensors) as gradients, the compiled eager
+# apply traced once: tests/contract_test.py,
+# `test_tuples_and_python_lists_are_accepted[default-...]` (every row).
 
 
 # Unknown config keys and numbers beyond float32, refused for every class
