@@ -7,9 +7,11 @@ eager apply, `tf.function`, `tf.function(jit_compile=True)`; JAX: `apply`,
 `stateless_apply`, `stateless_apply` under `jax.jit`; PyTorch: `apply`),
 through `model.fit(jit_compile=...)` (and LARS's momentum slots and trust
 ratios beside the weights), half-precision variables, the config and
-`.keras` round trips, default names, tuples for gradients and variables,
-writes through the optimizer's `assign*`, and sparse gradients and
-`tf.train.Checkpoint` (TensorFlow). Run it under each backend:
+`.keras` round trips, default names, tuples, Python lists and NumPy arrays
+for gradients (the compiled eager apply traced once), writes through the
+optimizer's `assign*`, sparse gradients and `tf.train.Checkpoint`
+(TensorFlow), and, for every class, the refusal of an unknown config key
+and of numbers beyond float32. Run it under each backend:
 
     KERAS_BACKEND=jax python -m pytest tests/contract_test.py
 """
