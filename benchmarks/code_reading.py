@@ -14,7 +14,8 @@ fence (`_internals.py`, which reads Keras's and TensorFlow's private members)
 counts, but what it calls does not. Each row gives the functions,
 their lines (`def` to last line, docstrings included), the files, and the
 lines of `update_step`. The last table is the size budgets of
-docs/guides/development.md ("Size budgets"): `wc -l` of each part.
+docs/guides/development.md ("What a reader reads, and the size budgets"):
+`wc -l` of each part.
 """
 
 import argparse
@@ -50,8 +51,7 @@ PARTS = {
 class Module:
     """One source file: its functions, classes and tf_lars imports."""
 
-    def __init__(self, name, path):
-        self.name, self.path = name, path
+    def __init__(self, path):
         tree = ast.parse(path.read_text())
         self.functions, self.classes, self.aliases = {}, {}, {}
         for node in tree.body:
@@ -80,7 +80,7 @@ def load(package):
         parts = path.relative_to(package.parent).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        modules[".".join(parts)] = Module(".".join(parts), path)
+        modules[".".join(parts)] = Module(path)
     return modules
 
 

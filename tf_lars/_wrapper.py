@@ -1,4 +1,5 @@
-"""What tf_lars's optimizer wrappers (`LossScaleOptimizer`, `AGN`) share."""
+"""What tf_lars's optimizer wrappers (`LossScaleOptimizer`, `AGN`,
+`TrustRatio`) share."""
 
 import inspect
 import sys
@@ -22,6 +23,20 @@ BASE_ARGUMENT_DEFAULTS = {
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
+
+
+def pop_inner_arguments(owner, kwargs, defaults):
+    """Pops the arguments of `defaults` from `kwargs`, refusing one set away
+    from its default: it belongs on the inner optimizer. `learning_rate`
+    may also be None or 0.0 (Keras's placeholder in configs)."""
+    for name in defaults.keys() & kwargs.keys():
+        value = kwargs.pop(name)
+        accepted = (None, 0.0) if name == "learning_rate" else ()
+        if value not in (*accepted, defaults[name]):
+            raise ValueError(
+                f"`{name}` is not supported by {owner}; set it on "
+                f"`inner_optimizer`. Received: {name}={value!r}"
+            )
 
 
 def on_tensorflow():

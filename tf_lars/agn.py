@@ -28,6 +28,7 @@ from tf_lars._wrapper import (
     InnerOptimizerWrapper,
     all_finite,
     gradient_as_tensor,
+    pop_inner_arguments,
     refuse_outer_loss_scale,
     require_built,
 )
@@ -248,14 +249,7 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         outer_optimizer=None,
         **kwargs,
     ):
-        for arg_name in _BASE_DEFAULTS.keys() & kwargs.keys():
-            value = kwargs.pop(arg_name)
-            accepted = (None, 0.0) if arg_name == "learning_rate" else ()
-            if value not in (*accepted, _BASE_DEFAULTS[arg_name]):
-                raise ValueError(
-                    f"`{arg_name}` is not supported by AGN; set it on "
-                    f"`inner_optimizer`. Received: {arg_name}={value!r}"
-                )
+        pop_inner_arguments("AGN", kwargs, _BASE_DEFAULTS)
         if kwargs:
             raise ValueError(
                 f"Argument(s) not recognized by AGN: {sorted(kwargs)}. "

@@ -44,7 +44,11 @@ from tf_lars._validation import (
     check_inner_optimizer,
     check_number,
 )
-from tf_lars._wrapper import InnerOptimizerWrapper, InnerOwnsTheRate
+from tf_lars._wrapper import (
+    InnerOptimizerWrapper,
+    InnerOwnsTheRate,
+    pop_inner_arguments,
+)
 from tf_lars.backend import BackendSubclass
 
 __all__ = ["TrustRatio"]
@@ -240,12 +244,8 @@ class TrustRatio(
         **kwargs,
     ):
         check_inner_optimizer(inner_optimizer)
-        rate = kwargs.pop("learning_rate", None)
-        if rate not in (None, 0.0):  # 0.0: the base's placeholder below
-            raise ValueError(
-                "`learning_rate` is not supported by TrustRatio; set it on "
-                f"`inner_optimizer`. Received: learning_rate={rate!r}"
-            )
+        # The base arguments are TrustRatio's own, all but the learning rate.
+        pop_inner_arguments("TrustRatio", kwargs, {"learning_rate": None})
         super().__init__(
             learning_rate=0.0,  # unused: the inner optimizer's rate applies
             weight_decay=None,  # the wrapper's decay sits inside the ratio
