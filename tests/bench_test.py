@@ -361,6 +361,32 @@ def test_start_cost_names_the_failing_case(monkeypatch, capsys):
     )
 
 
+def test_process_census_counts_processes_and_their_tensorflow(tmp_path, monkeypatch):
+    census = benchmark_scripts.load("process_census")
+    # A stand-in `tensorflow` first on the path (its import imports
+    # `tensorflow.python`, as TensorFlow's does).
+    (tmp_path / "tensorflow" / "python").mkdir(parents=True)
+    (tmp_path / "tensorflow" / "__init__.py").write_text("import tensorflow.python")
+    (tmp_path / "tensorflow" / "python" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/x_test.py::test_y (call)")
+    killed = "import os, signal, tensorflow; os.kill(os.getpid(), signal.SIGKILL)"
+    probe = "import importlib.util; assert importlib.util.find_spec('tensorflow')"
+    code = (
+        "import subprocess, sys\n"
+        "for child in ('import tensorflow', 'pass', *sys.argv[1:]):\n"
+        "    done = subprocess.run([sys.executable, '-c', child])\n"
+        "    assert done.returncode in (0, -9), child\n"
+    )
+    status, result = census.census([sys.executable, "-c", code, killed, probe])
+    assert status == 0
+    assert result["processes"] == 5
+    assert result["tensorflow_processes"] == 2  # not the one that only asked
+    assert result["tensorflow_exited_normally"] == 1  # not the killed one
+    assert result["top_tests"] == [("tests/x_test.py::test_y", 2)]
+    assert result["their_cpu_s"] >= 0 and result["busy_cpu_s"] >= 0
+
+
 def test_compile_benchmarks_run_without_the_xla_cache(monkeypatch):
     compile_bench = benchmark_scripts.load("compile_bench")
     monkeypatch.setenv(

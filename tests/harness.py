@@ -15,6 +15,11 @@ Modes of `step_function` and `run_steps`:
 - `"stateless"` (JAX): `stateless_apply`, as JAX's trainer calls it.
 """
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
@@ -105,3 +110,23 @@ def run_steps(optimizer, weights, grads, dtype, mode="default", names=None):
     for step_grads in grads:
         step([tensor(g, dtype) for g in step_grads])
     return variables
+
+
+def run_mirrored(*arguments):
+    """Runs `tests/mirrored_script.py ARGUMENTS` (a MirroredStrategy scenario
+    on two logical CPUs) in a fresh process with the checkout on
+    `PYTHONPATH`; fails the test unless it exits with status 0. Its stdout."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    path = [str(root), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    script = root / "tests" / "mirrored_script.py"
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    return result.stdout

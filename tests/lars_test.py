@@ -1,9 +1,6 @@
 """Tests for tf_lars.LARS against NumPy references and the seeds' numbers."""
 
 import math
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -552,17 +549,8 @@ def test_fit_with_xla_and_without_agree():
 def test_mirrored_strategy_uses_all_reduced_gradient():
     # LARS, LAMB and TrustRatio in one process (one start-up of TensorFlow
     # and of the strategy for the three).
-    script = os.path.join(os.path.dirname(__file__), "mirrored_script.py")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run(
-        [sys.executable, script, "LARS", "LAMB", "TrustRatio(SGD)"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "MIRRORED OK" in result.stdout, result.stdout + result.stderr
+    stdout = harness.run_mirrored("optimizers", "LARS", "LAMB", "TrustRatio(SGD)")
+    assert "MIRRORED OK" in stdout, stdout
 
 
 def test_gradient_accumulation_applies_the_mean_gradient():

@@ -1,10 +1,7 @@
 """Tests for `tf_lars.LossScaleOptimizer` (tf_lars/loss_scale.py)."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -12,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lars
+from tests import harness
 from tf_lars import loss_scale
 from tf_lars._wrapper import BASE_ARGUMENT_DEFAULTS
 from tf_lars.loss_scale import LossScaleOptimizer
@@ -631,20 +629,8 @@ def test_base_argument_refusal_keeps_keras_wording(argument, value):
 
 
 def test_mirrored_strategy_replicas_agree(tmp_path):
-    script = REPO_ROOT / "tests" / "loss_scale_mirrored_script.py"
     out = tmp_path / "mirrored.json"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    result = subprocess.run(
-        [sys.executable, str(script), str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    harness.run_mirrored("loss_scale", str(out))
     report = json.loads(out.read_text())
     assert report["num_replicas"] == 2
 

@@ -5,7 +5,7 @@ linear regression at fixed weights, whose `B_simple = tr(Σ) / |G|²` is exact;
 the wrapper, given small-batch gradients drawn from them, must come within
 10%. Then a NumPy transcription of the estimator, the inner step unchanged,
 serialization, bad arguments and the callback. Under MirroredStrategy (the
-replicas' batches as the small ones): tests/noise_scale_mirrored_script.py.
+replicas' batches as the small ones): tests/mirrored_script.py, `noise_scale`.
 """
 
 import math
@@ -278,21 +278,8 @@ def test_keras_distribution_data_parallel_equals_one_device():
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute: TensorFlow only")
 def test_mirrored_strategy_measures_the_replicas_batches():
-    script = os.path.join(os.path.dirname(__file__), "noise_scale_mirrored_script.py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(
-        part for part in (root, env.get("PYTHONPATH", "")) if part
-    )
-    result = subprocess.run(
-        [sys.executable, script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "MIRRORED NOISE SCALE OK" in result.stdout, result.stdout + result.stderr
+    stdout = harness.run_mirrored("noise_scale")
+    assert "MIRRORED NOISE SCALE OK" in stdout, stdout
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices: TensorFlow")

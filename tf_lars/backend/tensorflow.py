@@ -505,7 +505,7 @@ def observed_all_reduce(optimizer, observe):
     method is wrapped once on each instance (`__dict__`, untracked) and
     passes everything through outside a block. A release that sums another
     way leaves nothing observed, which `GradientNoiseScale` refuses
-    (tests/noise_scale_mirrored_script.py fails).
+    (tests/mirrored_script.py, `noise_scale`, fails).
     """
     while isinstance(optimizer, keras.optimizers.Optimizer):
         if _ALL_REDUCE not in vars(optimizer):
