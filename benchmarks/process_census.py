@@ -36,7 +36,7 @@ DEFAULT += ["-m", "distributed"]
 
 # Written as the `sitecustomize` module of every process started.
 _SITECUSTOMIZE = """
-import atexit, json, os, sys, time
+import atexit, json, os, sys
 
 _LOG = os.environ["TF_LARS_CENSUS_LOG"]
 

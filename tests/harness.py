@@ -15,13 +15,14 @@ Modes of `step_function` and `run_steps`:
 - `"stateless"` (JAX): `stateless_apply`, as JAX's trainer calls it.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import keras
 import numpy as np
+
+from tests.cli_helpers import process_env
 
 BACKEND = keras.backend.backend()
 #: The mode of a flag-matrix case by dtype: compiled (as users run it) in
@@ -116,16 +117,12 @@ def run_mirrored(*arguments):
     """Runs `tests/mirrored_script.py ARGUMENTS` (a MirroredStrategy scenario
     on two logical CPUs) in a fresh process with the checkout on
     `PYTHONPATH`; fails the test unless it exits with status 0. Its stdout."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    path = [str(root), env.get("PYTHONPATH")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-    script = root / "tests" / "mirrored_script.py"
+    script = pathlib.Path(__file__).resolve().parent / "mirrored_script.py"
     result = subprocess.run(
         [sys.executable, str(script), *arguments],
         capture_output=True,
         text=True,
-        env=env,
+        env=process_env(TF_CPP_MIN_LOG_LEVEL="2"),
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-5000:]

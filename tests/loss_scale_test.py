@@ -1,7 +1,6 @@
 """Tests for `tf_lars.LossScaleOptimizer` (tf_lars/loss_scale.py)."""
 
 import json
-import pathlib
 
 import keras
 import numpy as np
@@ -15,7 +14,6 @@ from tf_lars._wrapper import BASE_ARGUMENT_DEFAULTS
 from tf_lars.loss_scale import LossScaleOptimizer
 
 MODES = ["eager", "function", "jit"]
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Tolerances of the NumPy reference comparison, by variable dtype. float16 has
 # an 11-bit significand (eps = 2**-10 ~ 9.8e-4): each step rounds once.
