@@ -7,7 +7,8 @@ tests/lamb_reference.py), never a backend's own API, except the JAX-only
 override of the TensorFlow subclasses (tf_lars/backend/tensorflow.py) with
 the portable rule it overrides (tf_lars/lars.py, trust_ratio.py, lamb.py,
 _trust.py): the norms' range, the compiled backends' recomputed LAMB norm,
-TrustRatio around every Keras optimizer. Each rule's reference values in
+TrustRatio around every Keras optimizer, and `model.fit` under torch.compile
+within Dynamo's recompile limit. Each rule's reference values in
 every mode and `model.fit`, with and without the "<1d>" exclusions, are the
 contract table's (tests/contract_test.py, tests/optimizer_table.py).
 """
@@ -296,6 +297,21 @@ def test_lamb_recomputes_its_direction_only_where_a_compiler_sees_the_step():
         seen = []
         jax.jit(lambda x: seen.append(optimizer._recomputes_for_norms(x)) or x)(eager)
         assert seen == [True]
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Dynamo's recompilations: PyTorch only")
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_torch_compile_never_hits_the_recompile_limit(name):
+    # `model.fit` under torch.compile over 24 variables of 12 shapes, more
+    # than Dynamo's limit of 8 recompilations: a write compiled apart for
+    # each variable recompiled per shape and hit the limit (LAMB's
+    # `scaled_step`; the norm groups' size test while `np.prod` broke the
+    # graph in their loop); the norm groups also broke it with a NumPy
+    # index.
+    compile_bench = benchmark_scripts.load("compile_bench")
+    result = compile_bench.measure_torch(name, 24, shapes=12)
+    assert result["limit_warnings"] == 0, result
+    assert result["recompiles"] == 0, result
 
 
 def test_one_trust_ratio_rule():

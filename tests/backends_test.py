@@ -37,6 +37,14 @@ WRITERS = [b for b in ("tensorflow", "jax", "torch") if b != BACKEND]
 def test_saved_file_continues_as_on_the_backend_that_wrote_it(written_on, name):
     stem = DATA / f"across_{written_on}_{name}"
     model = keras.models.load_model(f"{stem}.keras")
+    if BACKEND == "torch" and written_on == "jax" and name != "loss_scale":
+        # JAX saves its "auto" as `jit_compile=True`, which PyTorch runs as
+        # torch.compile: 25 to 40 s a file on 2 cores. Each rule's compiled
+        # `fit` is a contract-table row (tests/contract_test.py's
+        # TORCH_COMPILED_ROWS); the loss scale around LARS, which no row
+        # compiles, continues compiled here.
+        assert model.jit_compile is True
+        model.jit_compile = False
     expected = writer.make_optimizer(name)
     assert type(model.optimizer) is type(expected)
     assert model.optimizer.get_config()["name"] == expected.get_config()["name"]
@@ -129,23 +137,6 @@ def _distribution(case):
 @pytest.mark.parametrize("case", ["data_parallel", "model_parallel"])
 def test_keras_distribution_equals_one_device(case):
     _distribution(case)
-
-
-@pytest.mark.skipif(BACKEND != "torch", reason="Dynamo's recompilations: PyTorch only")
-@pytest.mark.parametrize("name", ["lars", "lamb"])
-def test_torch_compile_never_hits_the_recompile_limit(name):
-    # `model.fit` under torch.compile over 24 variables of 12 shapes, more
-    # than Dynamo's limit of 8 recompilations: a write compiled apart for
-    # each variable recompiled per shape and hit the limit (LAMB's
-    # `scaled_step`; the norm groups' size test while `np.prod` broke the
-    # graph in their loop); the norm groups also broke it with a NumPy
-    # index.
-    from tests import benchmark_scripts
-
-    compile_bench = benchmark_scripts.load("compile_bench")
-    result = compile_bench.measure_torch(name, 24, shapes=12)
-    assert result["limit_warnings"] == 0, result
-    assert result["recompiles"] == 0, result
 
 
 def test_another_backends_subclass_does_not_take_the_registered_name():

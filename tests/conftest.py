@@ -183,28 +183,80 @@ _PART_OF = {f"{name}_test.py": part for part, names in PARTS.items() for name in
 #: command (`-m "not distributed"` in pyproject.toml's addopts) runs the rest:
 #: what runs in pytest's own processes, the processes that end before
 #: TensorFlow is imported (a fraction of a second each), and the smoke tests.
-#: Whole files, less the smoke tests named (parameter servers:
+#: Whole files, less what is named: the smoke tests (parameter servers:
 #: distribute_ps_test, one cluster for the file; `model.fit` on
 #: MultiWorkerMirroredStrategy and synchronous DiLoCo through the launcher;
-#: the launcher's job restart; no process left behind a killed run):
+#: the launcher's job restart; no process left behind a killed run) and the
+#: tests that start no TensorFlow process. A name without parameters names
+#: every parameter of the test.
 SECOND_TIER = {
     "cli_distribute_test.py": {
         "test_two_workers_through_the_launcher_equal_one_process",
         "test_two_workers_train_with_diloco_through_the_launcher[float32]",
+        "test_no_strategy_records_one_replica",
+        "test_fit_takes_the_epoch_orders_of_make_dataset",
+        "test_global_batch_size",
+        "test_global_batch_size_errors",
+        "test_describe_batches_names_the_dropped_examples",
+        "test_evaluation_batch_size",
+        "test_evaluation_needs_an_example_per_replica",
+        "test_bad_distribute_config",
+        "test_logical_cpus_once_devices_are_initialized",
+        "test_bad_tf_config_is_one_line",
+        "test_a_period_longer_than_an_epoch_is_refused",
     },
-    "distribute_diloco_test.py": set(),
-    "distribute_fault_test.py": set(),
+    "distribute_diloco_test.py": {
+        "test_one_worker_fit_and_backup_resume_in_one_process",
+        "test_exchange_bytes_counts_the_collective_of_each_compression",
+        "test_exchange_bytes_rounds_the_all_reduce_and_sums_one_per_dtype",
+        "test_bad_arguments_are_refused_naming_them",
+    },
+    "distribute_fault_test.py": {
+        "test_unreachable_parameter_server_is_found_by_its_port",
+    },
     "distribute_hostile_test.py": {
         "test_a_killed_test_run_leaves_no_launcher_or_task_behind",
+        "test_agn_period_beyond_the_int64_step_counter_is_refused",
+        "test_agn_largest_period_takes_a_step_without_committing",
+        "test_backup_of_a_later_epoch_than_fit_runs_is_refused_and_kept",
+        "test_backup_of_another_learning_rate_is_refused",
+        "test_backup_of_another_optimizer_class_is_refused",
+        "test_backup_with_another_optimizer_variable_count_is_refused",
+        "test_matching_backup_resumes_with_its_step_count_and_learning_rate",
     },
     "distribute_launch_sync_test.py": {
         "test_killed_worker_restarts_the_whole_job_on_the_same_addresses",
+        "test_the_task_cap_counts_every_task_started_here",
+        "test_tasks_starts_only_the_named_worker",
     },
-    "distribute_launch_test.py": set(),
+    "distribute_launch_test.py": {
+        "test_tee_copies_every_byte_to_the_log_and_each_line_to_the_terminal",
+        "test_log_tail_is_the_last_lines_of_the_latest_run",
+        "test_launcher_runs_a_script_path_or_a_module",
+    },
     "distribute_multi_worker_test.py": set(),
-    "distribute_preempt_test.py": set(),
+    "distribute_preempt_test.py": {
+        "test_one_process_resume_equals_uninterrupted",
+        "test_newest_complete_backup_is_loaded_and_a_cut_off_write_ignored",
+        "test_a_fit_without_backup_starts_at_0_after_a_resumed_fit_raised",
+        "test_keras_save_freq_int_repeats_the_batches_of_the_interrupted_epoch",
+        "test_broadcast_bits_round_trip_exactly",
+        "test_unsynchronized_batch_norm_layers_are_found_in_nested_models",
+        "test_arguments_are_checked",
+    },
     "examples_test.py": set(),
-    "examples_tfjob_test.py": set(),
+    "examples_tfjob_test.py": {
+        "test_manifest_is_a_config_map_a_claim_and_a_kubeflow_v1_tfjob",
+        "test_only_worker_replicas_at_least_two_restarted_by_exit_code",
+        "test_container_is_named_tensorflow_with_the_tfjob_port",
+        "test_every_pod_gets_a_tf_config_the_sync_mode_accepts",
+        "test_worker_zero_is_the_only_chief",
+        "test_a_ps_replica_makes_every_synchronous_parse_fail",
+        "test_one_replica_gets_no_tf_config_which_multi_worker_refuses",
+        "test_command_runs_the_wrapper_on_the_mounted_config",
+        "test_the_config_is_one_tf_lars_train_accepts",
+        "test_exit_statuses_follow_the_operator_rule_and_the_launcher",
+    },
 }
 #: ... and single tests of the other files (every parameter of each).
 SECOND_TIER_TESTS = {
@@ -262,8 +314,8 @@ def pytest_collection_modifyitems(config, items):
                 "add it to the part it tests"
             )
         item.add_marker(getattr(pytest.mark, part))
-        smoke = SECOND_TIER.get(item.path.name)
-        if (smoke is not None and item.name not in smoke) or (
+        first = SECOND_TIER.get(item.path.name)
+        if (first is not None and not {item.name, item.originalname} & first) or (
             item.originalname in SECOND_TIER_TESTS.get(item.path.name, ())
         ):
             item.add_marker(pytest.mark.distributed)

@@ -206,7 +206,8 @@ def run_sync_jobs(jobs, timeout, workers=2):
     Args:
         jobs: name -> `(root, script, program_args)`: each job runs
             `script ROOT/out ROOT/backup *program_args` through the launcher
-            (`--mode sync --workers 2 --restart-job 1`, logs in `ROOT/logs`),
+            (`--mode sync --workers 2 --restart-job 1 --peer-grace 1`, logs
+            in `ROOT/logs`),
             all started before any is waited for.
         timeout: seconds to wait for each job.
         workers: int. The workers of each job (`--workers`). Defaults to 2.
@@ -222,7 +223,8 @@ def run_sync_jobs(jobs, timeout, workers=2):
         os.makedirs(out)
         process = start_launcher(
             os.path.join(root, "logs"),
-            ["--mode", "sync", "--workers", str(workers), "--restart-job", "1"],
+            ["--mode", "sync", "--workers", str(workers)]
+            + ["--restart-job", "1", "--peer-grace", "1"],
             [script, out, backup, *program_args],
         )
         launched[name] = (process, {"root": root, "out": out, "backup": backup})

@@ -29,7 +29,10 @@ def _launch(tmp_path, launcher_args, *script_args):
     log_dir = tmp_path / "logs"
     code, stdout, stderr = run_launcher(
         log_dir,
-        ["--mode", "sync", "--workers", "2", *launcher_args],
+        # A worker left waiting for a lost peer in an all-reduce is stopped
+        # 1 s after the failure, not the default 20 s (the script has no
+        # note to leave).
+        ["--mode", "sync", "--workers", "2", "--peer-grace", "1", *launcher_args],
         [SCRIPT, str(out), *script_args],
         TIMEOUT,
     )
@@ -103,6 +106,10 @@ def test_killed_worker_restarts_the_whole_job_on_the_same_addresses(tmp_path):
     assert (
         "[launch] worker 1 exited with signal SIGKILL; restarting the whole job "
         "(restart 1 of 1)"
+    ) in stdout
+    # Worker 0, waiting for worker 1 in an all-reduce, got `--peer-grace`.
+    assert (
+        "[launch] the other workers still run 1s later (--peer-grace); stopping them"
     ) in stdout
     assert (
         "[launch] restart 1 of 1: starting every worker again (TF_LARS_RESTART=1)"

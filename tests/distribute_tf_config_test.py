@@ -257,6 +257,13 @@ USAGE_ERRORS = [
     (["--restart-job", "1"], [EXAMPLE],
      "error: `--restart-job` restarts a synchronous job (--mode sync); in ps mode "
      "use --restart-workers. Received: --mode ps --restart-job 1"),
+    (["--peer-grace", "1"], [EXAMPLE],
+     "error: `--peer-grace` is how long a synchronous job's other workers get "
+     "once one failed (--mode sync); in ps mode the chief carries on. Received: "
+     "--mode ps --peer-grace 1"),
+    (["--mode", "sync", "--peer-grace", "-1"], [EXAMPLE],
+     "error: argument --peer-grace: must be a finite number >= 0. "
+     "Received: '-1'"),
     (["--mode", "sync", "--cluster", _SYNC_PS], [EXAMPLE],
      "error: The cluster has 'ps' tasks, but synchronous multi-worker training "
      "(MultiWorkerMirroredStrategy) uses only 'worker' tasks (and at most one "

@@ -68,7 +68,8 @@ EXIT_TIMEOUT = 124
 SIGNAL_GRACE = 10.0
 #: Seconds a sync job's other workers have, once one failed, to notice the
 #: lost peer and exit by themselves (`tf-lars train` leaves its INTERRUPTED
-#: note) before they are stopped; a loaded machine needs more than 5 s.
+#: note) before they are stopped; a loaded machine needs more than 5 s. The
+#: default of `--peer-grace`.
 PEER_GRACE = 20.0
 #: Local tasks the launcher starts per CPU at most (`max_local_tasks`).
 TASKS_PER_CPU = 4
@@ -297,6 +298,10 @@ def build_parser():
         type=_checked("an int >= 0", lambda n: n >= 0, int),
         help="sync mode: when a worker fails, restart every worker, at most N "
         "times (default 0)")
+    add("--peer-grace", metavar="SECONDS", default=None,
+        type=_checked("a finite number >= 0", lambda x: 0 <= x < math.inf, float),
+        help="sync mode: seconds the other workers get to exit by themselves "
+        f"once one failed, before they are stopped (default {PEER_GRACE:g})")
     add("--restart-delay", default=1.0,
         type=_checked("a finite number >= 0", lambda x: 0 <= x < math.inf, float),
         help="seconds before a restart (default 1)")
@@ -347,6 +352,12 @@ def _option_error(args):
             "`--restart-job` restarts a synchronous job (--mode sync); in ps mode "
             "use --restart-workers. Received: --mode ps --restart-job "
             f"{args.restart_job}"
+        )
+    if not sync and args.peer_grace is not None:
+        return (
+            "`--peer-grace` is how long a synchronous job's other workers get once "
+            "one failed (--mode sync); in ps mode the chief carries on. Received: "
+            f"--mode ps --peer-grace {args.peer_grace:g}"
         )
     return None
 
@@ -627,7 +638,10 @@ class _Launch:
             _log(f"{how}; restarting the whole job ({restart})")
         failed.finish_echo()  # its last lines in the log before they are read
         self._report_error(failed, always=True)
-        self._wait_for_exit(PEER_GRACE)
+        grace = PEER_GRACE if self.args.peer_grace is None else self.args.peer_grace
+        if not self._wait_for_exit(grace) and self.stop_signal is None:
+            _log(f"the other workers still run {grace:g}s later (--peer-grace); "
+                 "stopping them")  # fmt: skip
         stop_all(self.tasks)
         if why:
             _log(f"exiting with status {_exit_status(code)}")
@@ -653,12 +667,13 @@ class _Launch:
 
     def _wait_for_exit(self, seconds):
         """Waits up to `seconds` for every task to exit (a signal or `--timeout`
-        cuts it short, as in `_wait`)."""
+        cuts it short, as in `_wait`); whether every task has exited."""
         end = min(time.monotonic() + seconds, self.deadline)
         while self.stop_signal is None and time.monotonic() < end:
             if all(task.poll() is not None for task in self.tasks):
-                return
+                return True
             time.sleep(0.05)
+        return all(task.poll() is not None for task in self.tasks)
 
     def _restart_job(self):
         """Starts every task again (a launcher-made cluster on new ports if one
