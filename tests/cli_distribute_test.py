@@ -698,6 +698,8 @@ def test_a_lost_diloco_worker_leaves_a_note_in_the_run_folder(tmp_path):
     # The error the next exchange raised once worker 1 was gone.
     lost = re.match(r"Stopped \(a worker of the cluster was lost: (\w+)\)", note)
     assert lost and lost[1] in ("UnavailableError", "AbortedError"), note
+    # Worker 0 exited by itself within the launcher's default `--peer-grace`.
+    assert "(--peer-grace)" not in output, output[-6000:]
     assert note == (
         f"{lost[0]} after {done}{NOTE_END} TensorFlow's error is on the chief's "
         "stderr (its log under the launcher).\n"

@@ -14,7 +14,8 @@ name) and its arguments. Each task is a process with its own `TF_CONFIG` and
   launcher exits with the chief's status.
 - `--mode sync`: MultiWorkerMirroredStrategy, `--workers` workers (worker 0,
   the chief, is shown). The job succeeds when every worker exits with 0; when
-  one fails, the others are stopped and, with `--restart-job N`, every worker
+  one fails, the others are stopped (after `--peer-grace` seconds, default
+  20, to exit by themselves) and, with `--restart-job N`, every worker
   starts again (up to N times; statuses 2 and 3 are never restarted); else
   the launcher exits with its status (128 + signal number for a signal).
 
@@ -639,7 +640,8 @@ class _Launch:
         failed.finish_echo()  # its last lines in the log before they are read
         self._report_error(failed, always=True)
         grace = PEER_GRACE if self.args.peer_grace is None else self.args.peer_grace
-        if not self._wait_for_exit(grace) and self.stop_signal is None:
+        exited = self._wait_for_exit(grace)
+        if not exited and self.stop_signal is None and time.monotonic() < self.deadline:
             _log(f"the other workers still run {grace:g}s later (--peer-grace); "
                  "stopping them")  # fmt: skip
         stop_all(self.tasks)
