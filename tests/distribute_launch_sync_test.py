@@ -107,10 +107,6 @@ def test_killed_worker_restarts_the_whole_job_on_the_same_addresses(tmp_path):
         "[launch] worker 1 exited with signal SIGKILL; restarting the whole job "
         "(restart 1 of 1)"
     ) in stdout
-    # Worker 0, waiting for worker 1 in an all-reduce, got `--peer-grace`.
-    assert (
-        "[launch] the other workers still run 1s later (--peer-grace); stopping them"
-    ) in stdout
     assert (
         "[launch] restart 1 of 1: starting every worker again (TF_LARS_RESTART=1)"
     ) in stdout
@@ -169,6 +165,11 @@ def test_status_2_is_never_restarted(tmp_path):
     assert (
         "[launch] worker 1 exited with status 2; stopping the job (status 2 means "
         "a bad configuration or TF_CONFIG: never restarted)"
+    ) in stdout
+    # Worker 1 exited before importing TensorFlow; worker 0, still starting
+    # (seconds), was stopped once `--peer-grace 1` ran out.
+    assert (
+        "[launch] the other workers still run 1s later (--peer-grace); stopping them"
     ) in stdout
     # The failed worker's last lines, its error line among them.
     shown = shown_tail("worker 1", log_dir / "worker-1.log")
