@@ -273,6 +273,7 @@ def build_parser():
     # Usage errors as one line (`error: ...`) and exit status 2.
     parser.error = lambda message: parser.exit(2, f"error: {message}\n")
     count = _checked("an int >= 1", lambda n: n >= 1, int)
+    seconds = _checked("a finite number >= 0", lambda x: 0 <= x < math.inf, float)
     add = parser.add_argument
     # fmt: off
     add("--mode", choices=("ps", "sync"), default="ps",
@@ -300,11 +301,11 @@ def build_parser():
         help="sync mode: when a worker fails, restart every worker, at most N "
         "times (default 0)")
     add("--peer-grace", metavar="SECONDS", default=None,
-        type=_checked("a finite number >= 0", lambda x: 0 <= x < math.inf, float),
+        type=seconds,
         help="sync mode: seconds the other workers get to exit by themselves "
         f"once one failed, before they are stopped (default {PEER_GRACE:g})")
     add("--restart-delay", default=1.0,
-        type=_checked("a finite number >= 0", lambda x: 0 <= x < math.inf, float),
+        type=seconds,
         help="seconds before a restart (default 1)")
     add("--timeout", metavar="SECONDS",
         type=_checked("a finite number > 0", lambda x: 0 < x < math.inf, float),
