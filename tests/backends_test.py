@@ -94,8 +94,8 @@ def test_the_backend_subclass_reads_as_the_public_class(public):
 class HalvedLARS(tf_lars.LARS):
     """A user's subclass: LARS at half the learning rate."""
 
-    def _update(self, gradient, variable, learning_rate, ratio):
-        super()._update(gradient, variable, learning_rate * 0.5, ratio)
+    def update_step(self, gradient, variable, learning_rate, ratio=None):
+        super().update_step(gradient, variable, learning_rate * 0.5, ratio)
 
 
 def test_a_users_subclass_keeps_its_own_methods_and_the_backend_s():

@@ -1,8 +1,9 @@
 """Layer-wise Adaptive Rate Scaling (LARS) for Keras 3, on every backend.
 
-The rule is docs/algorithms.md, section "LARS": `LARS._trust_ratios` takes
-step 2 (trust ratio) of every variable, then `LARS._update` steps 1, 3 and
-4 (decay in the gradient, local rate, momentum) of each, in `keras.ops`.
+The rule is docs/algorithms.md, section "LARS": `LARS.update_step` is the
+whole rule for one variable, in `keras.ops`; `apply` takes step 2 (trust
+ratio) of every variable first (`LARS._trust_ratios`, one norms call) and
+hands each its ratio.
 On the TensorFlow backend `tf_lars.LARS(...)` constructs the subclass in
 `tf_lars/backend/tensorflow.py` (fused kernels, sparse rows, replicas).
 """
@@ -162,7 +163,7 @@ class LARS(
     ):
         super().__init__(
             learning_rate=check_learning_rate(learning_rate),
-            weight_decay=None,  # LARS's decay is coupled: see `_update`.
+            weight_decay=None,  # LARS's decay is coupled: see `update_step`.
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
@@ -272,18 +273,23 @@ class LARS(
             recorded = _trust.placed(recorded, positions, ops.cast(vector, "float32"))
         return ratios, recorded
 
-    def update_step(self, gradient, variable, learning_rate):
-        """Updates one variable (`apply` batches step 2 (trust ratio) over all)."""
-        ratio = self._trust_ratios([gradient], [variable])[0][0]
-        self._update(gradient, variable, learning_rate, ratio)
+    def update_step(self, gradient, variable, learning_rate, ratio=None):
+        """Steps 1 to 4 (decay in the gradient, trust ratio, local rate,
+        momentum) for one variable (the TensorFlow subclass takes step 5
+        (sparse gradients)).
 
-    def _update(self, gradient, variable, learning_rate, ratio):
-        """Steps 1, 3 and 4 (decay in the gradient, local rate, momentum) for
-        one variable given its trust ratio (the TensorFlow subclass takes step 5
-        (sparse gradients))."""
+        `ratio` is the variable's step 2 (trust ratio) when
+        `_backend_update_step` took every variable's at once (one `norms`
+        call); `None` takes it here, for this variable alone.
+        """
         index = _internals.variable_index(self, variable)
         slot = self.momentums[index] if self.momentum != 0 else None
         dtype = variable.dtype
+        # Step 2 (trust ratio) reads the gradient as given (the "decayed"
+        # ratio computes the `g + wd w` of step 1 (decay in the gradient)
+        # itself).
+        if ratio is None:
+            ratio = self._trust_ratios([gradient], [variable])[0][0]
         # Step 1 (decay in the gradient): coupled weight decay.
         gradient = ops.cast(gradient, dtype)
         decay = self._variable_weight_decay[index]
@@ -333,7 +339,7 @@ class LARS(
         for gradient, variable, ratio in zip(
             grads, trainable_variables, ratios, strict=True
         ):
-            self._update(gradient, variable, learning_rate, ratio)
+            self.update_step(gradient, variable, learning_rate, ratio)
 
     def _record_trust_ratios(self, variables, recorded):
         _trust.record_trust_ratios(
