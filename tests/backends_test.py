@@ -95,7 +95,7 @@ class HalvedLARS(tf_lars.LARS):
     """A user's subclass: LARS at half the learning rate."""
 
     def update_step(self, gradient, variable, learning_rate, ratio=None):
-        super().update_step(gradient, variable, learning_rate * 0.5, ratio)
+        super().update_step(gradient, variable, learning_rate * 0.5, ratio=ratio)
 
 
 def test_a_users_subclass_keeps_its_own_methods_and_the_backend_s():

@@ -339,7 +339,7 @@ class LARS(
         for gradient, variable, ratio in zip(
             grads, trainable_variables, ratios, strict=True
         ):
-            self.update_step(gradient, variable, learning_rate, ratio)
+            self.update_step(gradient, variable, learning_rate, ratio=ratio)
 
     def _record_trust_ratios(self, variables, recorded):
         _trust.record_trust_ratios(

@@ -386,7 +386,7 @@ class LARS(_Norms, CompiledApply, lars.LARS):
             slot = self.momentums[index] if self.momentum != 0 else None
             sparse_momentum_step(self, gradient, variable, learning_rate, slot)
             return
-        super().update_step(gradient, variable, learning_rate, ratio)
+        super().update_step(gradient, variable, learning_rate, ratio=ratio)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Under any `tf.distribute` strategy: the ratios of the gradients
@@ -405,7 +405,7 @@ class LARS(_Norms, CompiledApply, lars.LARS):
             for (gradient, variable), ratio in zip(grads_and_vars, ratios, strict=True):
                 distribution.extended.update(
                     variable,
-                    lambda v, g, r, lr: self.update_step(g, v, lr, r),
+                    lambda v, g, r, lr: self.update_step(g, v, lr, ratio=r),
                     args=(gradient, ratio, learning_rate),
                     group=False,
                 )
