@@ -307,12 +307,6 @@ class _Common(_Block):
     model: Model
 
 
-class _Schedule(_Block):
-    warmup_epochs: _NON_NEGATIVE
-    end_learning_rate: _NON_NEGATIVE
-    power: _POSITIVE
-
-
 class TrainTraining(_Block):
     epochs: _int(1)
     batch_size: _BATCH
