@@ -223,6 +223,7 @@ SECOND_TIER = {
         "test_backup_of_another_optimizer_class_is_refused",
         "test_backup_with_another_optimizer_variable_count_is_refused",
         "test_matching_backup_resumes_with_its_step_count_and_learning_rate",
+        "test_end_of_fit_deletes_the_backups_and_keeps_other_files",
     },
     "distribute_launch_sync_test.py": {
         "test_killed_worker_restarts_the_whole_job_on_the_same_addresses",

@@ -275,6 +275,16 @@ def test_matching_backup_resumes_with_its_step_count_and_learning_rate(tmp_path)
     assert int(model.optimizer.iterations.numpy()) == 4 * 4
     assert float(model.optimizer.learning_rate.numpy()) == 0.5
     assert not os.path.exists(tmp_path) or os.listdir(tmp_path) == []
+    assert isinstance(backup, keras.callbacks.BackupAndRestore)
+
+
+def test_end_of_fit_deletes_the_backups_and_keeps_other_files(tmp_path):
+    # Keras's own callback deletes all of `backup_dir` at the end of `fit`.
+    _preempted(tmp_path, keras.optimizers.SGD(0.1), 4, stop=2)
+    (tmp_path / "notes.txt").write_text("the user's")
+    _fit(tmp_path, keras.optimizers.SGD(0.1), 4)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
 @pytest.mark.slow

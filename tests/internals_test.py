@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tf_lars import _internals
+from tf_lars.distribute import _internals as distribute_internals
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tf_lars"
 
@@ -26,8 +27,10 @@ FENCES = ("tf_lars._internals", "tf_lars.distribute._internals")
 PRIVATE_ACCESS = re.compile(
     r"tensorflow\.python|keras\.src|tf\.__internal__|tf\.raw_ops\._"
     r"|\._cluster_resolver|\._cluster_coordinator|\._per_worker_vars"
-    r"|\._distributed_container|\._values\b|\._initial_epoch"
+    r"|\._distributed_container|\._values\b|\._initial_epoch|\._current_epoch"
 )
+#: The private Keras hooks tf_lars overrides, each fence's.
+HOOKS = {*_internals.OVERRIDDEN_HOOKS, *distribute_internals.OVERRIDDEN_BACKUP_HOOKS}
 
 
 def test_installed_versions_are_supported():
@@ -189,7 +192,7 @@ def test_no_private_keras_member_outside_the_fenced_module():
             if own is object or not own.__module__.startswith("tf_lars"):
                 continue
             for name, line in _private_uses(own):
-                if name in foreign_names and name not in _internals.OVERRIDDEN_HOOKS:
+                if name in foreign_names and name not in HOOKS:
                     offenders.add(f"{own.__module__}.{own.__name__}:{line}: {name}")
     assert sorted(offenders) == []
 
@@ -216,6 +219,24 @@ def test_overridden_hooks_match_the_installed_keras():
         hook = getattr(keras.optimizers.Optimizer, name)
         assert tuple(inspect.signature(hook).parameters) == ("self", *parameters)
     _internals.check_hooks(keras.optimizers.SGD())
+    # ... and these from `fit` on tf_lars.distribute.BackupAndRestore.
+    for name in distribute_internals.OVERRIDDEN_BACKUP_HOOKS:
+        hook = getattr(keras.callbacks.BackupAndRestore, name)
+        assert tuple(inspect.signature(hook).parameters) == ("self",)
+    distribute_internals.check_backup_hooks()
+
+
+def test_a_keras_without_the_backup_hooks_is_named(monkeypatch):
+    import tf_lars
+    from tf_lars.distribute import BackupAndRestore
+
+    monkeypatch.delattr(keras.callbacks.BackupAndRestore, "_save_model")
+    with pytest.raises(tf_lars.MissingInternalError) as info:
+        BackupAndRestore("backup")
+    assert str(info.value).startswith(
+        "tf_lars BackupAndRestore needs `keras.callbacks.BackupAndRestore."
+        "_save_model`, which the installed versions ("
+    )
 
 
 def test_the_errors_are_public_and_the_fence_raises_them():

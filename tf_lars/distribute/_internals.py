@@ -5,12 +5,15 @@ The package's fence, as `tf_lars/_internals.py` is the core's: nothing else in
 each accessor raises `MissingInternalError` naming its feature and the
 installed versions when a release lacks it. Sections: 1 the parameter-server
 coordinator and worker-local variables (AGN under `ParameterServerStrategy`);
-2 multi-worker `fit`; 3 `fit`'s start epoch.
+2 multi-worker `fit`; 3 `fit`'s start epoch and Keras's `BackupAndRestore`.
 """
 
 import functools
 
+import keras
+
 from tf_lars._internals import (
+    _missing,
     no_automatic_dependency_tracking,
     private_member,
     private_module,
@@ -178,3 +181,24 @@ def start_fit_at_epoch(model, epoch):
     `BackupAndRestore` does): the epoch a running `fit` starts at."""
     private_member(model, "_initial_epoch", "BackupAndRestore")
     model._initial_epoch = epoch
+
+
+#: Keras's `BackupAndRestore` hooks `tf_lars.distribute.BackupAndRestore`
+#: overrides: `on_train_begin` calls `_load_model()`, `on_epoch_end` sets
+#: `_current_epoch` and calls `_save_model()`.
+OVERRIDDEN_BACKUP_HOOKS = ("_load_model", "_save_model")
+
+
+def check_backup_hooks():
+    """Raises `MissingInternalError` unless Keras's `BackupAndRestore` has
+    `OVERRIDDEN_BACKUP_HOOKS` (the resume tests check that it calls them)."""
+    for name in OVERRIDDEN_BACKUP_HOOKS:
+        if not hasattr(keras.callbacks.BackupAndRestore, name):
+            what = f"`keras.callbacks.BackupAndRestore.{name}`"
+            raise _missing("BackupAndRestore", what)
+
+
+def epochs_done(callback):
+    """`BackupAndRestore._current_epoch`, set by Keras's `on_epoch_end`: the
+    epochs done, the one just ended included."""
+    return private_member(callback, "_current_epoch", "BackupAndRestore")

@@ -496,26 +496,31 @@ def _warn_unsynchronized_batch_norm(model, strategy):
         )
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """Backs up the training state after each epoch; resumes `fit` from it.
 
-    `keras.callbacks.BackupAndRestore` made safe for `MultiWorkerMirroredStrategy`
-    (and usable in one process). After each epoch:
+    A subclass of `keras.callbacks.BackupAndRestore` made safe for
+    `MultiWorkerMirroredStrategy` (and usable in one process). Keras's
+    callback calls `_load_model` when `fit` starts and `_save_model` after
+    each epoch; this one overrides those two, and what `fit`'s end deletes:
 
     ```
-    chief:  model.save_weights(partial-<E>.weights.h5)   # E = epochs done
-            rename to epoch-<E>.weights.h5                # atomic
-            delete older epoch-*.weights.h5
-    others: write nothing
+    _save_model, chief:  model.save_weights(partial-<E>.weights.h5)  # E = epochs done
+                         rename to epoch-<E>.weights.h5               # atomic
+                         delete older epoch-*.weights.h5
+                 others: write nothing
+    _load_model:         the chief loads the newest epoch-<E> (or refuses it),
+                         every worker receives its values bit for bit
+                         (an all-reduce), and `fit` continues at epoch E
     ```
 
-    When `fit` starts, the chief loads the newest `epoch-<E>` file, every
-    worker receives the chief's values bit for bit (an all-reduce), and `fit`
-    continues at epoch E. What is restored (weights and every optimizer
-    variable, not metrics or random state), BatchNormalization
-    (`synchronized=True`), the data order an exact resume needs, and why not
-    Keras's own callback: docs/guides/multi-worker.md, "Preemption:
-    `BackupAndRestore`".
+    What is restored (weights and every optimizer variable, not metrics or
+    random state), BatchNormalization (`synchronized=True`), the data order
+    an exact resume needs, and what Keras's own `_load_model` and
+    `_save_model` do under MWMS: docs/guides/multi-worker.md, "Preemption:
+    `BackupAndRestore`". The tests that resume and refuse backups
+    (tests/distribute_preempt_test.py, tests/distribute_hostile_test.py)
+    fail if a Keras release stops calling the two methods.
 
     Args:
         backup_dir: str. Directory of the backup, local or any path
@@ -540,7 +545,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir, delete_checkpoint=True):
-        super().__init__()
         if not isinstance(backup_dir, str) or not backup_dir:
             raise ValueError(
                 "`backup_dir` must be a non-empty str. "
@@ -551,8 +555,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`delete_checkpoint` must be a bool. "
                 f"Received: delete_checkpoint={delete_checkpoint!r}"
             )
-        self.backup_dir = backup_dir
-        self.delete_checkpoint = delete_checkpoint
+        _internals.check_backup_hooks()
+        super().__init__(backup_dir, delete_checkpoint=delete_checkpoint)
         self.restored_epoch = 0
         self._writes = True
         self._record = None
@@ -578,7 +582,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 variables.append(variable)
         return variables
 
-    def on_train_begin(self, logs=None):
+    def _load_model(self):
         model = self.model
         if not model.built:
             raise ValueError(
@@ -662,21 +666,23 @@ class BackupAndRestore(keras.callbacks.Callback):
             _write_record(path, record)
             tf.io.gfile.copy(path, partial, overwrite=True)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def _save_model(self):
         if not self._writes:
             return
+        done = _internals.epochs_done(self)
         tf.io.gfile.makedirs(self.backup_dir)
-        partial = os.path.join(self.backup_dir, f"partial-{epoch + 1}.weights.h5")
-        final = os.path.join(self.backup_dir, f"epoch-{epoch + 1}.weights.h5")
-        self._save(partial, epoch + 1)
+        partial = os.path.join(self.backup_dir, f"partial-{done}.weights.h5")
+        final = os.path.join(self.backup_dir, f"epoch-{done}.weights.h5")
+        self._save(partial, done)
         # Killed at any point, the chief leaves the previous backup or this
         # one complete, never a mix.
         tf.io.gfile.rename(partial, final, overwrite=True)
         for number, path in self._files()["epoch"]:
-            if number < epoch + 1:
+            if number < done:
                 tf.io.gfile.remove(path)
 
     def on_train_end(self, logs=None):
+        # Not Keras's, which deletes all of `backup_dir`: only the backups.
         if self.restored_epoch:
             # Keras never resets it: a later `fit` would start there too.
             _internals.start_fit_at_epoch(self.model, None)
