@@ -128,6 +128,58 @@ def test_norms_keep_their_range(which, scale):
         np.testing.assert_allclose(value, expected, rtol=2e-5)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile: PyTorch only")
+@pytest.mark.parametrize("scale", [1.0, *lars_ref.MAGNITUDES])
+def test_torch_norms_compile_whole_and_keep_their_range(scale):
+    # The PyTorch subclasses' range check is a `torch.cond`: the norms
+    # compile with no graph break (`fullgraph=True` raises at one; Keras's
+    # `ops.cond` is one), with both branches (1.0 takes the plain norms, the
+    # others the rescaled ones), equal to float64 NumPy norms and to the
+    # portable op-by-op norms.
+    import torch
+
+    from tf_lars.backend import torch as torch_backend
+
+    tensors = [
+        ops.convert_to_tensor(x)
+        for x in lars_ref.extreme_values(scale) + lars_ref.extreme_values(1.0, seed=1)
+    ]
+    tensors += [ops.zeros((3,)), ops.zeros((64, 128))]  # |w| = 0: rescaled too
+    want = [np.linalg.norm(ops.convert_to_numpy(x).astype(np.float64)) for x in tensors]
+    compiled = torch.compile(
+        lambda *xs: _trust.norms(list(xs), cond=torch_backend.cond), fullgraph=True
+    )
+    got = ops.convert_to_numpy(compiled(*tensors))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    portable = ops.convert_to_numpy(_trust.norms(tensors))
+    np.testing.assert_allclose(got, portable, rtol=1e-6)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(lambda *xs: _trust.norms(list(xs)), fullgraph=True)(*tensors)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile: PyTorch only")
+def test_torch_compiled_fit_takes_the_rescaled_branch_as_op_by_op():
+    # Keras's zero biases (|w| = 0) take the range check's rescaled branch
+    # at the first step, inside torch.compile's `fit` (a constant made in
+    # that branch once reached inductor's compiled branch as a non-tensor).
+    def fit(jit_compile):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((64,))]
+            + [keras.layers.Dense(64, activation="relu") for _ in range(3)]
+            + [keras.layers.Dense(10)]
+        )  # the biases' norms stacked, the kernels' each alone: out of order
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(tf_lars.LARS(0.1), loss, jit_compile=jit_compile)
+        x = np.random.default_rng(0).normal(size=(32, 64)).astype("float32")
+        y = np.arange(32) % 10
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        return [ops.convert_to_numpy(w) for w in model.weights]
+
+    for compiled, eager in zip(fit(True), fit(False), strict=True):
+        np.testing.assert_allclose(compiled, eager, rtol=1e-5, atol=1e-7)
+
+
 @ONLY_JAX
 def test_apart_keeps_the_values_and_is_a_barrier(monkeypatch):
     import jax

@@ -148,7 +148,9 @@ def _tf_lars_classes():
             continue
         # A backend's subclasses only where that backend is installed.
         backend = info.name.removeprefix("tf_lars.backend.")
-        if backend in ("jax", "tensorflow") and not importlib.util.find_spec(backend):
+        if backend in ("jax", "tensorflow", "torch") and not importlib.util.find_spec(
+            backend
+        ):
             continue
         module = importlib.import_module(info.name)
         for value in vars(module).values():

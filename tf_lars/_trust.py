@@ -4,8 +4,8 @@ Norms (with the overflow-safe rescaled fallback), the trust ratio and its
 record, and the decay factor of a scaled step. docs/algorithms.md states the
 rules; each rule file (`lars.py`, `trust_ratio.py`, `lamb.py`) calls these. The
 TensorFlow backend's subclasses (`tf_lars/backend/tensorflow.py`) pass their
-own `sum_of_squares` to `norms`; tests/backends_rules_test.py holds the two
-equal.
+own `sum_of_squares` to `norms`, the PyTorch backend's their own `cond`;
+tests/backends_rules_test.py holds each equal to the portable one.
 """
 
 import math
@@ -41,7 +41,7 @@ def sum_of_squares(tensor):
 def _rescaled_norm(tensor, squares_of=sum_of_squares):
     """`|x| = m * |x / m|` with `m = max |x_i|`: no square overflows or
     underflows, so the norm is right wherever it is representable."""
-    peak = ops.max(ops.abs(tensor))
+    peak = ops.amax(ops.abs(tensor))
     peak = ops.where(peak > 0, peak, ops.ones_like(peak))
     return peak * ops.sqrt(squares_of(tensor / peak))
 
@@ -84,7 +84,7 @@ def _norm_groups(values):
 
 def _rescaled_norms(rows):
     """`_rescaled_norm` of each row of `rows` (`stacked`), as one vector."""
-    peaks = ops.max(ops.abs(rows), axis=1)
+    peaks = ops.amax(ops.abs(rows), axis=1)
     peaks = ops.where(peaks > 0, peaks, ops.ones_like(peaks))
     # Divided by sqrt(peak) twice: XLA turns a division by a broadcast into
     # a product with its reciprocal, and 1 / peak is subnormal (flushed to
@@ -93,15 +93,16 @@ def _rescaled_norms(rows):
     return peaks * ops.sqrt(ops.sum(ops.square(rows / root / root), axis=1))
 
 
-def norms(tensors, squares_of=sum_of_squares):
+def norms(tensors, squares_of=sum_of_squares, cond=ops.cond):
     """Euclidean norms of `tensors` (one float dtype) as one vector.
 
     A squared norm that is not finite, or below the smallest normal float
     (its squares may have underflowed), is recomputed scaled by the largest
     entry, so entries of 1e19 or 1e-30 in float32 give their true norm
-    instead of inf or 0; one `ops.cond` for all the tensors runs that only
-    when one needs it. Small tensors are summed stacked by shape
-    (`stacks`); `squares_of` sums the squares of each other one.
+    instead of inf or 0; one `cond` (`ops.cond`; the PyTorch backend passes
+    its own) for all the tensors runs that only when one needs it. Small
+    tensors are summed stacked by shape (`stacks`); `squares_of` sums the
+    squares of each other one.
 
     An entry may be a function that returns the tensor: it is called where
     each norm is computed, so a compiler reads the tensor's inputs there
@@ -111,8 +112,12 @@ def norms(tensors, squares_of=sum_of_squares):
     groups, rows = _norm_groups(values)
     order = [position for group in groups for position in group]
     # A list, not a NumPy array: under torch.compile a NumPy array breaks
-    # the graph.
-    back = sorted(range(len(order)), key=order.__getitem__)
+    # the graph. Made once, outside `cond`: a constant made in a branch of
+    # `torch.cond` reaches inductor's compiled branch as a non-tensor.
+    back = None
+    if order != sorted(order):
+        back = sorted(range(len(order)), key=order.__getitem__)
+        back = ops.convert_to_tensor(back, "int32")
 
     def per_group(one, of_rows):
         parts = [
@@ -122,9 +127,7 @@ def norms(tensors, squares_of=sum_of_squares):
             for group, matrix in zip(groups, rows, strict=True)
         ]
         joined = parts[0] if len(parts) == 1 else ops.concatenate(parts)
-        if order == sorted(order):
-            return joined
-        return ops.take(joined, ops.convert_to_tensor(back, "int32"))
+        return joined if back is None else ops.take(joined, back)
 
     squares = per_group(squares_of, lambda matrix: ops.sum(ops.square(matrix), axis=1))
     dtype = np.dtype(keras.backend.standardize_dtype(squares.dtype))
@@ -140,7 +143,7 @@ def norms(tensors, squares_of=sum_of_squares):
         )
         return ops.where(lost_range, rescaled, ops.sqrt(squares))
 
-    return ops.cond(ops.any(lost_range), rescale_lost, lambda: ops.sqrt(squares))
+    return cond(ops.any(lost_range), rescale_lost, lambda: ops.sqrt(squares))
 
 
 # ------------------------------------------------------------- trust ratio

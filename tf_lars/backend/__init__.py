@@ -2,14 +2,15 @@
 
 Keras's own pattern (`keras/src/backend/torch/optimizers/`, where
 `TorchOptimizer.__new__` swaps `SGD` for `TorchSGD`): the rule files hold
-the portable rule in `keras.ops`, and on the TensorFlow and JAX backends
-`tf_lars.LARS(...)`, `tf_lars.TrustRatio(...)` and `tf_lars.LAMB(...)`
-construct the subclass of `tf_lars/backend/tensorflow.py` (fused kernels,
-sparse rows, cross-replica steps, XLA's compile-time tricks) or
-`tf_lars/backend/jax.py` (what `jax.jit` needs to keep the norms in one
-pass). The subclasses keep the public class's name, module and registered
-name, so configs and saved files read the same. A user's subclass of a
-public class gets the same overrides (a class made once, on first use).
+the portable rule in `keras.ops`, and `tf_lars.LARS(...)`,
+`tf_lars.TrustRatio(...)` and `tf_lars.LAMB(...)` construct the running
+backend's subclass: `tf_lars/backend/tensorflow.py` (fused kernels, sparse
+rows, cross-replica steps, XLA's compile-time tricks), `jax.py` (what
+`jax.jit` needs to keep the norms in one pass) or `torch.py` (the norms'
+range check as a branch `torch.compile` traces without breaking its graph).
+The subclasses keep the public class's name, module and registered name, so
+configs and saved files read the same. A user's subclass of a public class
+gets the same overrides (a class made once, on first use).
 """
 
 import functools
@@ -22,7 +23,7 @@ import keras
 def subclass(cls):
     """The class that `cls(...)` constructs on the running backend."""
     backend = keras.backend.backend()
-    if backend not in ("tensorflow", "jax"):
+    if backend not in ("tensorflow", "jax", "torch"):
         return cls
     fast_classes = importlib.import_module(f"tf_lars.backend.{backend}").SUBCLASSES
     if any(issubclass(cls, fast) for fast in fast_classes.values()):
