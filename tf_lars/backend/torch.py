@@ -7,8 +7,8 @@ recomputes a norm whose squares overflowed or underflowed) is a
 Keras's `ops.cond` on PyTorch is a Python `if` on a tensor: a graph break,
 deep inside the optimizer's step, at which Dynamo traced the whole step
 again once for each enclosing function, Keras's included (LAMB's first
-compiled `fit` took twice Keras's `Lamb`'s; docs/guides/benchmarks.md,
-"Compile time"). Op by op the branch stays a Python `if`: `torch.cond` out
+compiled `fit` took twice as long; docs/guides/benchmarks.md, "Compile
+time"). Op by op the branch stays a Python `if`: `torch.cond` out
 of a compiled function compiles itself. The rules are the portable ones.
 """
 
