@@ -149,7 +149,7 @@ class LayerwiseExclusions:
 
     def _resolve_exclusions(self, variables):
         """Per-variable decay and adaptation, and the `trust_ratios` record."""
-        _internals.check_hooks(self)
+        _internals.check_hooks(type(self).__name__)
         self._variable_weight_decay = [
             self.weight_decay
             if _internals.uses_weight_decay(self, v)

@@ -285,15 +285,13 @@ OVERRIDDEN_HOOKS = {
 }
 
 
-def check_hooks(optimizer):
-    """Raises `MissingInternalError` unless Keras calls `OVERRIDDEN_HOOKS` so."""
-    base = keras.optimizers.Optimizer
-    for name, parameters in OVERRIDDEN_HOOKS.items():
+def check_hooks(feature, base=keras.optimizers.Optimizer, hooks=OVERRIDDEN_HOOKS):
+    """Raises `MissingInternalError` (naming `feature`) unless Keras's `base`
+    has `hooks` ({name: parameters after self}) with those parameters."""
+    for name, parameters in hooks.items():
         hook = getattr(base, name, None)
         found = None if hook is None else tuple(inspect.signature(hook).parameters)
-        if found != ("self", *parameters):
-            raise _missing(
-                type(optimizer).__name__,
-                f"Keras to call `Optimizer.{name}(self, {', '.join(parameters)})`"
-                f" (found {found})",
-            )
+        wanted = ("self", *parameters)
+        if found != wanted:
+            call = f"{base.__name__}.{name}({', '.join(wanted)})"
+            raise _missing(feature, f"Keras to call `{call}` (found {found})")

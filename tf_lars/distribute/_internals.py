@@ -13,7 +13,7 @@ import functools
 import keras
 
 from tf_lars._internals import (
-    _missing,
+    check_hooks,
     no_automatic_dependency_tracking,
     private_member,
     private_module,
@@ -184,18 +184,17 @@ def start_fit_at_epoch(model, epoch):
 
 
 #: Keras's `BackupAndRestore` hooks `tf_lars.distribute.BackupAndRestore`
-#: overrides: `on_train_begin` calls `_load_model()`, `on_epoch_end` sets
-#: `_current_epoch` and calls `_save_model()`.
-OVERRIDDEN_BACKUP_HOOKS = ("_load_model", "_save_model")
+#: overrides, with their parameters: `on_train_begin` calls `_load_model()`,
+#: `on_epoch_end` sets `_current_epoch` and calls `_save_model()`.
+OVERRIDDEN_BACKUP_HOOKS = {"_load_model": (), "_save_model": ()}
 
 
 def check_backup_hooks():
-    """Raises `MissingInternalError` unless Keras's `BackupAndRestore` has
-    `OVERRIDDEN_BACKUP_HOOKS` (the resume tests check that it calls them)."""
-    for name in OVERRIDDEN_BACKUP_HOOKS:
-        if not hasattr(keras.callbacks.BackupAndRestore, name):
-            what = f"`keras.callbacks.BackupAndRestore.{name}`"
-            raise _missing("BackupAndRestore", what)
+    """`check_hooks` for Keras's `BackupAndRestore` (the resume tests check
+    that it calls them)."""
+    check_hooks(
+        "BackupAndRestore", keras.callbacks.BackupAndRestore, OVERRIDDEN_BACKUP_HOOKS
+    )
 
 
 def epochs_done(callback):
