@@ -229,6 +229,68 @@ def test_a_rerun_resumes_the_study(tmp_path, run_cli, monkeypatch):
     assert sorted(counts) == [3, 3, 16, 16]
 
 
+@pytest.mark.parametrize("direction", ["minimize", "maximize"])
+def test_a_unit_selects_its_best_trial_and_reruns_it(direction, monkeypatch):
+    """The runner `study` and `lowcomm` share: a unit runs its budget of
+    tuning trials, selects the best value in the plan's direction (the first
+    of equals), reruns its parameters on seeds seed+1, seed+2, and
+    `finished` returns them by seed."""
+    import types
+
+    import optuna
+
+    plan = types.ModuleType("shared_runner_plan")
+    plan.BLOCK, plan.DIRECTION = "tuning", direction
+    plan.unit_name = lambda config, unit, part: f"{unit} {part}"
+
+    def evaluate(config, unit, trial, seed, rerun):
+        x = trial.suggest_float("x", 0.0, 1.0)
+        return {"x": x, "seed": seed, "rerun": rerun}, float(x >= 0.5)  # ties
+
+    plan.evaluate = evaluate
+    monkeypatch.setitem(sys.modules, plan.__name__, plan)
+    config = {"seed": 7, "tuning": {"trials": 6, "seeds": 2}}
+    storage = optuna.storages.InMemoryStorage()
+    assert study.advance(plan, storage, config, "u", lambda *_: None)
+    trials, best, runs = study.finished(storage, config, "u", plan.__name__)
+    values = [t.value for t in trials]
+    assert len(trials) == 6 and set(values) == {0.0, 1.0}
+    wanted = (min if direction == "minimize" else max)(values)
+    assert best.number == min(t.number for t in trials if t.value == wanted)
+    assert [(r["seed"], r["rerun"], r["x"]) for r in runs] == [
+        (8, True, best.params["x"]),
+        (9, True, best.params["x"]),
+    ]
+    assert study.advance(plan, storage, config, "u", lambda *_: None)  # no more
+    assert len(optuna.load_study(study_name="u reruns", storage=storage).trials) == 2
+
+
+def test_only_a_studys_first_rerun_sees_the_test_set(monkeypatch):
+    """A study's tuning trials and reruns train on the validation split; the
+    first rerun (seed + 1) alone also scores the test set."""
+    import optuna
+
+    calls = []
+
+    def run_trial(config, data, validation, entry, batch, params, seed, test, *rest):
+        calls.append((seed, test))
+        return {"steps": 5, "cap": 10, "curve": [(5, 1.0)], "test": None}
+
+    monkeypatch.setattr(study, "run_trial", run_trial)
+    monkeypatch.setattr(study, "_CONTEXT", {"data": None, "validation": None})
+    config = load_config("study", preset="study-quick")
+    config["study"].update(trials=2, seeds=3)
+    unit = study.units(config)[0]
+    storage = optuna.storages.InMemoryStorage()
+    assert study.advance(study, storage, config, unit, lambda *_: None)
+    seed = config["seed"]
+    assert calls == [(seed, False)] * 2 + [
+        (seed + 1, True),
+        (seed + 2, False),
+        (seed + 3, False),
+    ]
+
+
 def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
     """One training function: a trial's config given to `tf-lars train`
     gives the same losses, epoch by epoch."""

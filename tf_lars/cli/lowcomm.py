@@ -35,7 +35,6 @@ import json
 import math
 import os
 import time
-import warnings
 
 import numpy as np
 
@@ -53,7 +52,8 @@ LABELS = {
 # Not in the hash: the lists of units (a unit's own name says what it is),
 # so a larger run given the same storage reuses a smaller run's units.
 _UNIT_LISTS = ("workers", "sync_every", "methods", "speeds")
-BLOCK = "tuning"  # for study's shared runner: the block with trials and seeds
+# For study's shared runner: the block with trials and seeds, Optuna's direction.
+BLOCK, DIRECTION = "tuning", "maximize"
 
 
 # ------------------------------------------------------------------ units
@@ -362,71 +362,15 @@ def simulate(config, data, validation, unit, params, seed, test=False):
 
 
 # ------------------------------------------------------------------ tuning
-def _objective(config, unit, budget, rerun):
-    import optuna
-
-    def objective(trial):
-        study._stop_point()  # noqa: SLF001 - inside the trial: recorded as failed
-        tuning, seed = trial.study, trial.user_attrs.get("seed")
-        if (rerun and seed is None) or not study._claimed(tuning, trial, budget, seed):  # noqa: SLF001
-            tuning.stop()
-            raise optuna.TrialPruned("over budget")
-        params = _suggest(trial, config, unit[0])
-        context = study._CONTEXT  # noqa: SLF001 - the worker's data
-        result = simulate(
-            config, context["data"], context["validation"], unit, params,
-            config["seed"] if seed is None else seed, test=rerun,
-        )  # fmt: skip
-        trial.set_user_attr("result", result)
-        return result["validation"]
-
-    return objective
-
-
-def advance(storage, config, unit, progress):
-    """Runs what a unit still needs (its trials, then its reruns); whether
-    it is complete."""
-    import optuna
-
-    tuning_config = config["tuning"]
-    budget, seeds = tuning_config["trials"], tuning_config["seeds"]
-    stop = optuna.study.MaxTrialsCallback
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.QMCSampler(
-            scramble=True, seed=config["seed"], warn_independent_sampling=False
-        )
-    tuning = optuna.create_study(
-        study_name=unit_name(config, unit, "tuning"), storage=storage,
-        sampler=sampler, load_if_exists=True, direction="maximize",
-    )  # fmt: skip
-    if len(study._complete(tuning)) < budget:  # noqa: SLF001
-        if len(study._trials(tuning, "COMPLETE", "RUNNING")) >= budget:  # noqa: SLF001
-            return False
-        objective = _objective(config, unit, budget, rerun=False)
-        tuning.optimize(objective, callbacks=[stop(budget), progress])
-        if len(study._complete(tuning)) < budget:  # noqa: SLF001
-            return False
-    best = _best(study._complete(tuning, budget))  # noqa: SLF001
-    reruns = optuna.create_study(
-        study_name=unit_name(config, unit, "reruns"), storage=storage,
-        load_if_exists=True, direction="maximize",
-    )  # fmt: skip
-    have = {t.user_attrs.get("seed")
-            for t in study._trials(reruns, "COMPLETE", "RUNNING", "WAITING")}  # noqa: SLF001 # fmt: skip
-    for index in range(seeds):
-        if config["seed"] + 1 + index not in have:
-            attributes = {"seed": config["seed"] + 1 + index}
-            reruns.enqueue_trial(best.params, user_attrs=attributes)
-    if study._trials(reruns, "WAITING"):  # noqa: SLF001
-        objective = _objective(config, unit, seeds, rerun=True)
-        reruns.optimize(objective, callbacks=[stop(seeds), progress])
-    return len(study._complete(reruns)) >= seeds  # noqa: SLF001
-
-
-def _best(trials):
-    """The trial with the best validation accuracy (the first of equals)."""
-    return max(trials, key=lambda t: (t.value, -t.number))
+def evaluate(config, unit, trial, seed, rerun):
+    """One trial of a unit (study's shared runner): its simulation, and the
+    validation accuracy as its objective; a rerun also takes the test set."""
+    params = _suggest(trial, config, unit[0])
+    context = study._CONTEXT  # noqa: SLF001 - the worker's data
+    result = simulate(
+        config, context["data"], context["validation"], unit, params, seed, test=rerun
+    )
+    return result, result["validation"]
 
 
 # ------------------------------------------------------------------ results
@@ -448,24 +392,15 @@ def _timings(config):
 def summarize(config, storage):
     """A row per finished unit and speeds profile (a synchronous unit's
     row repeated per profile with that profile's time)."""
-    import optuna
-
     tuning, rows = config["tuning"], []
     interval = lambda values: study.bootstrap_interval(  # noqa: E731
         values, tuning["confidence"], tuning["resamples"])  # fmt: skip
     finished = {}
     for unit in units(config):
-        try:
-            tuned, reruns = (optuna.load_study(study_name=unit_name(config, unit, p),
-                                               storage=storage)
-                             for p in ("tuning", "reruns"))  # fmt: skip
-        except KeyError:
+        found = study.finished(storage, config, unit, __name__)
+        if found is None:
             continue
-        trials = study._complete(tuned, tuning["trials"])  # noqa: SLF001
-        runs = sorted(study._complete(reruns), key=lambda t: t.user_attrs["seed"])  # noqa: SLF001
-        if len(trials) < tuning["trials"] or len(runs) < tuning["seeds"]:
-            continue
-        best, results = _best(trials), [t.user_attrs["result"] for t in runs]
+        trials, best, results = found
         finished[unit] = [r["test"] for r in results]
         method, workers, sync_every, speeds = unit
         for profile in [speeds] if speeds else _timings(config):

@@ -55,17 +55,17 @@ def units(config):
     return [(entry, batch) for batch in batches for entry in config["optimizers"]]
 
 
-def _name(config, entry, batch, part):
-    return f"{entry['label']} B={batch} {part} [{study_key(config)}]"
-
-
-# What the shared runner below (`work`, `count_trials`, `execute`) asks of a
-# command's module: its units, a unit's Optuna study names, and `advance`.
-BLOCK = "study"  # the config block with `trials` and `seeds`
+# What the shared runner below (`advance`, `work`, `count_trials`, `execute`,
+# `finished`) asks of a command's module: the config block with `trials` and
+# `seeds`, Optuna's direction, its units, a unit's Optuna study names, and
+# `evaluate` (one trial's result and objective value).
+BLOCK, DIRECTION = "study", "minimize"
 
 
 def unit_name(config, unit, part):
-    return _name(config, *unit, part)
+    """The Optuna study of a unit's `part` ("tuning" or "reruns")."""
+    entry, batch = unit
+    return f"{entry['label']} B={batch} {part} [{study_key(config)}]"
 
 
 def open_storage(url):
@@ -316,40 +316,54 @@ def _claimed(study, trial, budget, seed=None):
     return len(earlier) < (1 if seed is not None else budget)
 
 
-def _objective(config, entry, batch, budget, rerun):
+def evaluate(config, unit, trial, seed, rerun):
+    """One trial of a unit: its result (the curve kept at ~200 points) and
+    its objective, `_value`. The first rerun's seed also takes the test set."""
+    entry, batch = unit
+    params = _suggest(trial, config, entry)
+    steps = [t.user_attrs["result"]["steps"] for t in _complete(trial.study)]
+    reached = [s for s in steps if s is not None and not rerun]
+    test = rerun and seed == config["seed"] + 1
+    result = run_trial(
+        config, _CONTEXT["data"], _CONTEXT["validation"], entry, batch, params, seed,
+        test, rerun, min(reached, default=None),  # the incumbent: a tuning trial's stop
+    )  # fmt: skip
+    curve = result["curve"]
+    every = max(1, len(curve) // 200)
+    result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
+    return result, _value(config, result)
+
+
+def _objective(plan, config, unit, budget, rerun):
     import optuna
 
     def objective(trial):
         _stop_point()  # inside the trial: Optuna records it as failed
-        study, seed = trial.study, trial.user_attrs.get("seed")
-        if (rerun and seed is None) or not _claimed(study, trial, budget, seed):
-            study.stop()  # the budget is spent (or running elsewhere)
+        tuning, seed = trial.study, trial.user_attrs.get("seed")
+        if (rerun and seed is None) or not _claimed(tuning, trial, budget, seed):
+            tuning.stop()  # the budget is spent (or running elsewhere)
             raise optuna.TrialPruned("over budget")
-        params = _suggest(trial, config, entry)
         seed = config["seed"] if seed is None else seed
-        data, validation = _CONTEXT["data"], _CONTEXT["validation"]
-        test = bool(trial.user_attrs.get("test"))
-        steps = [t.user_attrs["result"]["steps"] for t in _complete(study)]
-        reached = [s for s in steps if s is not None and not rerun]
-        result = run_trial(
-            config, data, validation, entry, batch, params, seed, test, rerun,
-            min(reached, default=None),  # the incumbent: a tuning trial's stop
-        )  # fmt: skip
-        curve = result["curve"]  # at most ~200 points kept
-        every = max(1, len(curve) // 200)
-        result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
+        result, value = plan.evaluate(config, unit, trial, seed, rerun)
         trial.set_user_attr("result", result)  # one write
-        return _value(config, result)
+        return value
 
     return objective
 
 
-def advance(storage, config, unit, progress):
-    """Runs what a unit still needs; whether it is complete."""
+def selected(plan, trials):
+    """The trial `plan` selects: the best value in its `DIRECTION`, the
+    first of equals."""
+    sign = 1.0 if plan.DIRECTION == "minimize" else -1.0
+    return min(trials, key=lambda t: (sign * t.value, t.number))
+
+
+def advance(plan, storage, config, unit, progress):
+    """Runs what a unit of `plan` still needs (its tuning trials, then the
+    selected trial rerun on new seeds); whether it is complete."""
     import optuna
 
-    entry, batch = unit
-    budget, seeds = config["study"]["trials"], config["study"]["seeds"]
+    budget, seeds = config[plan.BLOCK]["trials"], config[plan.BLOCK]["seeds"]
     stop = optuna.study.MaxTrialsCallback
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -357,32 +371,53 @@ def advance(storage, config, unit, progress):
             scramble=True, seed=config["seed"], warn_independent_sampling=False
         )
     tuning = optuna.create_study(
-        study_name=_name(config, entry, batch, "tuning"),
-        storage=storage, sampler=sampler, load_if_exists=True,
+        study_name=plan.unit_name(config, unit, "tuning"), storage=storage,
+        sampler=sampler, load_if_exists=True, direction=plan.DIRECTION,
     )  # fmt: skip
     if len(_complete(tuning)) < budget:
         if len(_trials(tuning, "COMPLETE", "RUNNING")) >= budget:
             return False  # the rest runs in another worker: no trial to ask for
-        objective = _objective(config, entry, batch, budget, rerun=False)
+        objective = _objective(plan, config, unit, budget, rerun=False)
         tuning.optimize(objective, callbacks=[stop(budget), progress])
         if len(_complete(tuning)) < budget:
             return False  # the rest runs in another worker
-    best = min(_complete(tuning, budget), key=lambda t: (t.value, t.number))
+    best = selected(plan, _complete(tuning, budget))
     reruns = optuna.create_study(
-        study_name=_name(config, entry, batch, "reruns"),
-        storage=storage, load_if_exists=True,
+        study_name=plan.unit_name(config, unit, "reruns"), storage=storage,
+        load_if_exists=True, direction=plan.DIRECTION,
     )  # fmt: skip
     have = {t.user_attrs.get("seed")
             for t in _trials(reruns, "COMPLETE", "RUNNING", "WAITING")}  # fmt: skip
-    for index in range(seeds):
-        seed = config["seed"] + 1 + index
+    for seed in range(config["seed"] + 1, config["seed"] + 1 + seeds):
         if seed not in have:
-            attributes = {"seed": seed, "test": index == 0}
-            reruns.enqueue_trial(best.params, user_attrs=attributes)
+            reruns.enqueue_trial(best.params, user_attrs={"seed": seed})
     if _trials(reruns, "WAITING"):
-        objective = _objective(config, entry, batch, seeds, rerun=True)
+        objective = _objective(plan, config, unit, seeds, rerun=True)
         reruns.optimize(objective, callbacks=[stop(seeds), progress])
     return len(_complete(reruns)) >= seeds
+
+
+def finished(storage, config, unit, command=__name__):
+    """`(trials, best, runs)` of a complete unit of `command`: its budget of
+    tuning trials, the selected one, and its reruns' results by seed; None
+    while the unit is not complete."""
+    import optuna
+
+    plan = importlib.import_module(command)
+    block = config[plan.BLOCK]
+    try:
+        tuning, reruns = (optuna.load_study(study_name=plan.unit_name(config, unit, p),
+                                            storage=storage)
+                          for p in ("tuning", "reruns"))  # fmt: skip
+    except KeyError:
+        return None
+    trials, seeds = _complete(tuning, block["trials"]), {}
+    for trial in _complete(reruns):
+        seeds.setdefault(trial.user_attrs["seed"], trial)
+    if len(trials) < block["trials"] or len(seeds) < block["seeds"]:
+        return None
+    runs = [seeds[s].user_attrs["result"] for s in sorted(seeds)][: block["seeds"]]
+    return trials, selected(plan, trials), runs
 
 
 def work(command, offset, progress=None):
@@ -401,7 +436,7 @@ def work(command, offset, progress=None):
         _stop_point()  # between trials
 
     while todo:
-        todo = [u for u in todo if not plan.advance(storage, config, u, progress)]
+        todo = [u for u in todo if not advance(plan, storage, config, u, progress)]
         if todo:
             time.sleep(1.0)  # their trials run in other workers
             _stop_point()
@@ -549,23 +584,12 @@ def critical_batch(batches, steps, slack=SCALING_SLACK):
 
 def summarize(config, storage):
     """`(rows, fits)`: a row per finished unit, a fit per optimizer."""
-    import optuna
-
     rows, study = [], config["study"]
     for entry, batch in units(config):
-        names = [_name(config, entry, batch, part) for part in ("tuning", "reruns")]
-        try:
-            tuning, reruns = (optuna.load_study(study_name=n, storage=storage)
-                              for n in names)  # fmt: skip
-        except KeyError:
+        found = finished(storage, config, (entry, batch))
+        if found is None:
             continue
-        trials, seeds = _complete(tuning, study["trials"]), {}
-        for trial in _complete(reruns):
-            seeds.setdefault(trial.user_attrs["seed"], trial)
-        if len(trials) < study["trials"] or len(seeds) < study["seeds"]:
-            continue
-        best = min(trials, key=lambda t: (t.value, t.number))
-        runs = [seeds[s].user_attrs["result"] for s in sorted(seeds)][: study["seeds"]]
+        trials, best, runs = found
         chosen = best.user_attrs["result"]
         steps = [r["steps"] or r["cap"] for r in runs]
         noise = [r["b_simple"] for r in runs if r["b_simple"]]
