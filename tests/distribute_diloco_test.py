@@ -273,6 +273,7 @@ def test_one_worker_fit_and_backup_resume_in_one_process(tmp_path):
     model = script.make_model(1)
     model.compile(script.fit_optimizer(), "mse")
     backup = DiLoCoBackup(str(tmp_path / "backup"))
+    assert isinstance(backup, keras.callbacks.BackupAndRestore)
     sync = DiLoCoSync()
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
               callbacks=[backup, sync])  # fmt: skip
@@ -291,6 +292,10 @@ def test_one_worker_fit_and_backup_resume_in_one_process(tmp_path):
     assert backup.restored_epoch == 2
     for a, b in zip(model.optimizer.variables, again.optimizer.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # Kept when `fit` ends (Keras's deletes `backup_dir`): a restarted job's.
+    assert sorted(os.listdir(tmp_path / "backup" / "worker-0")) == [
+        "epoch-2.weights.h5"
+    ]
 
 
 def _payloads(compression, granularity="tensor"):

@@ -994,11 +994,11 @@ def _train(config, data, distribution, trial, folder, earlier=None):
         # folder (BackupAndRestore deletes its own at the end of `fit`).
         import shutil
 
-        shutil.rmtree(backup.folder, ignore_errors=True)
+        shutil.rmtree(backup.backup_dir, ignore_errors=True)
         stop.agree(None)
         if folder is not None:
             with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(backup.folder))
+                os.rmdir(os.path.dirname(backup.backup_dir))
     if sync is not None:
         result["communication"] = sync.traffic.as_dict()
     return result, monitor

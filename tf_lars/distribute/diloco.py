@@ -50,7 +50,6 @@ docs/guides/low-communication.md.
 """
 
 import os
-import re
 
 import keras
 import numpy as np
@@ -58,6 +57,10 @@ import tensorflow as tf
 
 from tf_lars.diloco import COMPRESSIONS, DiLoCo, decode
 from tf_lars.distribute import _internals
+from tf_lars.distribute.multi_worker import (
+    BackupAndRestore,
+    _broadcast_from_first_replica,
+)
 
 __all__ = [
     "DiLoCoBackup",
@@ -508,7 +511,7 @@ class DiLoCoSync(keras.callbacks.Callback):
             model.make_train_function(force=True)
         if self.strategy is not None and int(optimizer.iterations.numpy()) == 0:
             state = [*model.weights, *optimizer.global_variables]
-            values = _from_first_worker(self.strategy, state)
+            values = _broadcast_from_first_replica(self.strategy, state)
             for variable, value in zip(state, values, strict=True):
                 variable.assign(value)
 
@@ -527,32 +530,25 @@ class DiLoCoSync(keras.callbacks.Callback):
         )
 
 
-def _from_first_worker(strategy, variables):
-    from tf_lars.distribute.multi_worker import _broadcast_from_first_replica
-
-    return _broadcast_from_first_replica(strategy, variables)
-
-
-_BACKUP = re.compile(r"(epoch|partial)-(\d+)\.weights\.h5")
-
-
-class DiLoCoBackup(keras.callbacks.Callback):
+class DiLoCoBackup(BackupAndRestore):
     """Each worker's whole DiLoCo state at each epoch end; resumes a restarted
     job exactly.
 
-    Each worker's state differs between outer steps (its own weights and
-    inner-optimizer slots), so each writes its own file,
-    `<backup_dir>/worker-<I>/epoch-<E>.weights.h5` (the model's weights and
-    every optimizer variable: `theta`, the outer slots, the error buffers,
-    the step count), written under another name and renamed. An older file
-    is deleted only once every worker has written the new one, so when `fit`
-    starts the workers agree (a MIN over them) on the newest epoch all of
-    them hold, load it, and `fit` continues there. With `steps_per_epoch` a
-    multiple of `sync_every`, that is the last outer step.
+    A subclass of `tf_lars.distribute.BackupAndRestore` (so of Keras's),
+    overriding what it loads and saves. Each worker's state differs between
+    outer steps (its own weights and inner-optimizer slots), so each writes
+    its own file, `<backup_dir>/worker-<I>/epoch-<E>.weights.h5` (the model's
+    weights and every optimizer variable: `theta`, the outer slots, the error
+    buffers, the step count), written under another name and renamed. An
+    older file is deleted only once every worker has written the new one, so
+    when `fit` starts the workers agree (a MIN over them) on the newest epoch
+    all of them hold, load it, and `fit` continues there. With
+    `steps_per_epoch` a multiple of `sync_every`, that is the last outer step.
+    The backups are kept when `fit` ends.
 
     Args:
         backup_dir: str. The job's backup directory (shared or not: each
-            worker uses its own subdirectory).
+            worker uses its own subdirectory, its `backup_dir` attribute).
         strategy: `tf.distribute.MultiWorkerMirroredStrategy` or None (one
             worker).
         worker_index: int. This worker's index. Defaults to the strategy's
@@ -563,28 +559,13 @@ class DiLoCoBackup(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir, strategy=None, worker_index=None):
-        super().__init__()
-        if not isinstance(backup_dir, str) or not backup_dir:
-            raise ValueError(
-                "`backup_dir` must be a non-empty str. "
-                f"Received: backup_dir={backup_dir!r}"
-            )
+        super().__init__(backup_dir, delete_checkpoint=False)
         _workers(strategy)
         if worker_index is None:
             resolver = strategy.cluster_resolver if strategy is not None else None
             worker_index = int(resolver.task_id or 0) if resolver else 0
         self.strategy = strategy
-        self.folder = os.path.join(backup_dir, f"worker-{worker_index}")
-        self.restored_epoch = 0
-
-    def _epochs(self):
-        found = {}
-        if tf.io.gfile.isdir(self.folder):
-            for name in tf.io.gfile.listdir(self.folder):
-                match = _BACKUP.fullmatch(name)
-                if match and match.group(1) == "epoch":
-                    found[int(match.group(2))] = os.path.join(self.folder, name)
-        return found
+        self.backup_dir = os.path.join(backup_dir, f"worker-{worker_index}")
 
     def _agreed(self, value):
         """The MIN of `value` over the workers."""
@@ -594,36 +575,32 @@ class DiLoCoBackup(keras.callbacks.Callback):
         (values,) = _all_gather(self.strategy, [tf.constant(value, tf.int64)])
         return int(tf.reduce_min(values))  # no MIN among MWMS's reductions
 
-    def on_train_begin(self, logs=None):
+    def _load_model(self):
         model = self.model
         _check_diloco(model.optimizer, "model.optimizer")
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        epochs = self._epochs()
+        epochs = dict(self._files()["epoch"])
         epoch = self._agreed(max(epochs, default=0))
         if epoch and epoch not in epochs:
             raise ValueError(
                 f"DiLoCoBackup: the workers agreed on epoch {epoch}, which "
-                f"{self.folder} does not hold (it has {sorted(epochs)})."
+                f"{self.backup_dir} does not hold (it has {sorted(epochs)})."
             )
         if epoch:
             model.load_weights(epochs[epoch])
         self.restored_epoch = epoch
         _internals.start_fit_at_epoch(model, epoch or None)
 
-    def on_epoch_end(self, epoch, logs=None):
-        done = epoch + 1
-        tf.io.gfile.makedirs(self.folder)
-        partial = os.path.join(self.folder, f"partial-{done}.weights.h5")
+    def _save_model(self):
+        done = _internals.epochs_done(self)
+        tf.io.gfile.makedirs(self.backup_dir)
+        partial = os.path.join(self.backup_dir, f"partial-{done}.weights.h5")
         self.model.save_weights(partial, overwrite=True)
         tf.io.gfile.rename(
-            partial, os.path.join(self.folder, f"epoch-{done}.weights.h5"), True
+            partial, os.path.join(self.backup_dir, f"epoch-{done}.weights.h5"), True
         )
         self._agreed(done)  # every worker has written epoch `done`
-        for number, path in self._epochs().items():
+        for number, path in self._files()["epoch"]:
             if number < done:
                 tf.io.gfile.remove(path)
-
-    def on_train_end(self, logs=None):
-        if self.restored_epoch:
-            _internals.start_fit_at_epoch(self.model, None)
