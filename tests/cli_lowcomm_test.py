@@ -348,6 +348,7 @@ def test_ctrl_c_keeps_the_finished_trials_and_the_run_resumes(
     assert code == 130
     folder = tmp_path / "lc"
     assert "keeps 4 of 16 finished trials" in err
+    assert "and the 1 finished rows in table.md; the same command resumes" in err
     assert (
         (folder / "INTERRUPTED")
         .read_text()

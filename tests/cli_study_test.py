@@ -164,11 +164,13 @@ def test_sweep_is_gone_and_names_study(run_cli, one_line_error):
     [
         (
             ["--set", "search.warmup_share=[0.5, 0.1]"],
-            "`search.warmup_share` must be [low, high]",
-        ),  # noqa: E501
+            "`search.warmup_share` must be [low, high] with 0 <= low <= high and the "
+            "high end <= 0.99. Received: search.warmup_share=[0.5, 0.1]",
+        ),
         (
             ["--set", "optimizers.0.learning_rate=[0.3, 0.1]"],
-            "with low <= high, low > 0",
+            "`optimizers.0.learning_rate` must be [low, high] with 0 < low <= high. "
+            "Received: optimizers.0.learning_rate=[0.3, 0.1]",
         ),
         (
             [

@@ -39,7 +39,6 @@ import time
 import numpy as np
 
 from tf_lars.cli import preflight, study
-from tf_lars.cli.config import dump_config
 
 METHODS = ("dp", "diloco", "agn", "async_diloco")
 ASYNC = ("agn", "async_diloco")
@@ -552,46 +551,25 @@ def _check(config):
 
 def run(config, data=None, folder=None, overwrite=False, out=print):
     """`tf-lars lowcomm`: every unit's trials and reruns, then report.md,
-    table.md, results.json and lowcomm.png in the run folder."""
+    table.md, results.json and lowcomm.png in the run folder (after a
+    Ctrl-C: the finished units')."""
     if folder is None:
         data, folder = preflight.preflight("lowcomm", config, overwrite)
-    data, validation = data
     _check(config)
-    tuning = config["tuning"]
-    count = len(units(config))
-    workers = preflight.available_cores() if tuning["workers"] == "auto" else None
-    workers = min(workers or tuning["workers"], count)
-    url = tuning["storage"] or f"sqlite:///{os.path.abspath(folder)}/study.db"
-    preflight.write_text(folder, "config.yaml", dump_config(config))
-    note = os.path.join(folder, preflight.INTERRUPTED_NOTE)
-    if os.path.exists(note):
-        os.remove(note)
-    out(f"lowcomm {key(config)}: {data.source}; {count} units x ({tuning['trials']} "
-        f"trials + {tuning['seeds']} reruns) on {workers} worker process(es); "
-        f"trials in {url}")  # fmt: skip
-    started = time.perf_counter()
-    try:
-        study.execute(config, data, validation, url, workers, __name__)
-    except KeyboardInterrupt as interrupt:
-        done, total = study.count_trials(study.open_storage(url), config, __name__)
+
+    def write(url, times):
         rows = summarize(config, study.open_storage(url))
-        times = {"workers": workers, "wall": time.perf_counter() - started}
-        _write_results(folder, config, data, rows, times)
-        preflight.write_text(
-            folder, preflight.INTERRUPTED_NOTE,
-            f"Interrupted ({preflight.interruption_name(interrupt)}) after {done} of "
-            f"{total} trials; they are kept in {url} (the finished units are in "
-            "table.md): run the same command again to resume.\n",
-        )  # fmt: skip
-        raise preflight.Interrupted(
-            f"the run folder {folder} keeps {done} of {total} finished trials in "
-            f"{url} and the {len(rows)} finished rows in table.md; the same command "
-            "resumes"
-        ) from None
-    times = {"workers": workers, "wall": time.perf_counter() - started}
-    rows = summarize(config, study.open_storage(url))
-    _write_results(folder, config, data, rows, times)
-    out(report(config, data, rows, times))
+        _write_results(folder, config, data[0], rows, times)
+        return rows
+
+    what = f"lowcomm {key(config)}: {data[0].source}"
+    url, times = study.run_units(
+        __name__, config, data, folder, len(units(config)), what, out,
+        keep=lambda url, times: f" and the {len(write(url, times))} finished rows "
+        "in table.md",
+    )  # fmt: skip
+    rows = write(url, times)
+    out(report(config, data[0], rows, times))
     out(f"Results in {folder}/ (report.md, table.md, results.json, lowcomm.png, "
         "config.yaml)")  # fmt: skip
     return 0

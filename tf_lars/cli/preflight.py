@@ -403,35 +403,46 @@ def check_train(config, data):
         )
 
 
-def check_study(config):
-    """Refuses search ranges that are empty or out of their domain, repeated
-    labels, and optimizers the NQM has no closed form for."""
-    ranges = [
-        (f"optimizers.{i}.learning_rate", e["learning_rate"], True, None)
-        for i, e in enumerate(config["optimizers"])
-    ]
-    search = config["search"]
-    ranges += [("search.one_minus_momentum", search["one_minus_momentum"], True, 1.0),
-               ("search.warmup_share", search["warmup_share"], False, 0.99),
-               ("search.weight_decay", search["weight_decay"], True, None)]  # fmt: skip
+def _check_ranges(ranges):
+    """Refuses a search range `[low, high]` (`(key, bounds, log, top)`, bounds
+    None: not searched) that is empty or outside its domain: low > 0 when
+    searched on a log scale (else >= 0), and high <= `top` when given."""
     for key, bounds, log, top in ranges:
         if bounds is None:
             continue
         low, high = bounds
         if low > high or (log and low <= 0) or (top is not None and high > top):
-            rule = "> 0" if log else ">= 0"
-            rule += f" and the high end <= {top}" if top is not None else ""
+            rule = f"{'0 <' if log else '0 <='} low <= high"
+            rule += f" and the high end <= {top:g}" if top is not None else ""
             raise ConfigError(
-                f"`{key}` must be [low, high] with low <= high, low {rule}. "
-                f"Received: {key}={bounds!r}",
+                f"`{key}` must be [low, high] with {rule}. Received: {key}={bounds!r}",
                 key=key,
             )
-    labels = [entry["label"] for entry in config["optimizers"]]
-    for label in labels:
-        if labels.count(label) > 1:
+
+
+def _check_unique(key, values):
+    """Refuses a value given twice in the list `key` (its items' `name`s)."""
+    for value in values:
+        if values.count(value) > 1:
+            name = key.rpartition(".")[2]
             raise ConfigError(
-                f"`optimizers.*.label` must be unique. Received: label={label!r} twice"
+                f"`{key}` must be unique. Received: {name}={value!r} twice",
+                key=key.partition(".")[0],
             )
+
+
+def check_study(config):
+    """Refuses search ranges that are empty or out of their domain, repeated
+    labels, and optimizers the NQM has no closed form for."""
+    search = config["search"]
+    _check_ranges(
+        [(f"optimizers.{i}.learning_rate", e["learning_rate"], True, None)
+         for i, e in enumerate(config["optimizers"])]
+        + [("search.one_minus_momentum", search["one_minus_momentum"], True, 1.0),
+           ("search.warmup_share", search["warmup_share"], False, 0.99),
+           ("search.weight_decay", search["weight_decay"], True, None)]
+    )  # fmt: skip
+    _check_unique("optimizers.*.label", [e["label"] for e in config["optimizers"]])
     if config["workload"] == "nqm":
         for index, entry in enumerate(config["optimizers"]):
             name = entry["optimizer"]["class_name"]
@@ -450,24 +461,32 @@ def check_study(config):
         )
 
 
-def study_data(config):
-    """`(training, (x_validation, y_validation))` of a study, or None (NQM)."""
-    from tf_lars.cli.data import load_data, load_mnist1d, split_validation
+def _split_data(config, kind):
+    """`(training, (x_validation, y_validation))` of a `study` or `lowcomm`
+    run: `kind` ("synthetic", "mnist1d" or "data") made or loaded, the model
+    checked against its examples, the validation split held out."""
+    from tf_lars.cli import data as data_lib
 
-    if config["workload"] == "nqm":
-        return None
-    if config["workload"] == "mnist1d":
-        data = load_mnist1d(
-            config["mnist1d"]["num_samples"], config["data"]["split_seed"]
-        )
+    seed = config["data"]["split_seed"]
+    if kind == "synthetic":
+        data = data_lib.synthetic_data(config["seed"])
+    elif kind == "mnist1d":
+        data = data_lib.load_mnist1d(config["mnist1d"]["num_samples"], seed)
     else:
-        data = load_data(config["data"])
+        data = data_lib.load_data(config["data"])
     check_model_input(config["model"], data.x_train.shape[1:])
-    fraction, seed = config["validation_fraction"], config["data"]["split_seed"]
+    fraction = config["validation_fraction"]
     try:
-        training, validation = split_validation(data, fraction, seed)
+        return data_lib.split_validation(data, fraction, seed)
     except ValueError as error:  # too few examples of a class to split
         raise ConfigError(f"`validation_fraction`: {error}") from None
+
+
+def study_data(config):
+    """`(training, (x_validation, y_validation))` of a study, or None (NQM)."""
+    if config["workload"] == "nqm":
+        return None
+    training, validation = _split_data(config, config["workload"])
     for index, batch in enumerate(config["study"]["batch_sizes"]):
         resolve_batch_size(batch, len(training.x_train), f"study.batch_sizes.{index}")
     return training, validation
@@ -490,50 +509,17 @@ def _resumes(config, overwrite, command="study"):
 def check_lowcomm(config):
     """Refuses empty or out-of-domain search ranges and repeated speeds names."""
     search = config["search"]
-    for name, top in (("inner_learning_rate", None), ("outer_learning_rate", None),
-                      ("outer_one_minus_momentum", 1.0)):  # fmt: skip
-        bounds = search[name]
-        if bounds is not None and (
-            bounds[0] > bounds[1] or bounds[0] <= 0 or (top and bounds[1] > top)
-        ):
-            rule = " and the high end <= 1" if top else ""
-            raise ConfigError(
-                f"`search.{name}` must be [low, high] with 0 < low <= high{rule}. "
-                f"Received: search.{name}={bounds!r}",
-                key=f"search.{name}",
-            )
-    names = [profile["name"] for profile in config["speeds"]]
-    for name in names:
-        if names.count(name) > 1:
-            raise ConfigError(
-                f"`speeds.*.name` must be unique. Received: name={name!r} twice",
-                key="speeds",
-            )
+    _check_ranges(
+        (f"search.{name}", search[name], True, top)
+        for name, top in (("inner_learning_rate", None), ("outer_learning_rate", None),
+                          ("outer_one_minus_momentum", 1.0))
+    )  # fmt: skip
+    _check_unique("speeds.*.name", [profile["name"] for profile in config["speeds"]])
 
 
 def lowcomm_data(config):
     """`(training, (x_validation, y_validation))` of `tf-lars lowcomm`."""
-    from tf_lars.cli.data import (
-        load_data,
-        load_mnist1d,
-        split_validation,
-        synthetic_data,
-    )  # fmt: skip
-
-    if config["problem"] == "synthetic":
-        data = synthetic_data(config["seed"])
-    elif config["problem"] == "mnist1d":
-        data = load_mnist1d(
-            config["mnist1d"]["num_samples"], config["data"]["split_seed"]
-        )
-    else:
-        data = load_data(config["data"])
-    check_model_input(config["model"], data.x_train.shape[1:])
-    fraction, seed = config["validation_fraction"], config["data"]["split_seed"]
-    try:
-        training, validation = split_validation(data, fraction, seed)
-    except ValueError as error:  # too few examples of a class to split
-        raise ConfigError(f"`validation_fraction`: {error}") from None
+    training, validation = _split_data(config, config["problem"])
     smallest = len(training.x_train) // max(config["workers"])
     if config["training"]["batch_size"] > smallest:
         raise ConfigError(

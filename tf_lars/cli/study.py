@@ -765,7 +765,7 @@ def _write_results(folder, config, rows, fits, url, times):
         preflight.write_file(os.path.join(folder, name), plot)
 
 
-def _check(config, data):
+def _check(config):
     """Builds every optimizer once with its range's ends (neural workloads)."""
     if config["workload"] == "nqm":
         return
@@ -787,38 +787,57 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
     """`tf-lars study`: every unit's trials, then the results, in the run folder."""
     if folder is None:
         data, folder = preflight.preflight("study", config, overwrite)
-    data, validation = data if data is not None else (None, None)
-    _check(config, data)
-    study = config["study"]
-    workers = preflight.available_cores() if study["workers"] == "auto" else None
-    workers = min(workers or study["workers"], len(units(config)) * study["trials"])
-    url = study["storage"] or f"sqlite:///{os.path.abspath(folder)}/study.db"
-    preflight.write_text(folder, "config.yaml", dump_config(config))
-    if os.path.exists(os.path.join(folder, preflight.INTERRUPTED_NOTE)):
-        os.remove(os.path.join(folder, preflight.INTERRUPTED_NOTE))
-    out(f"Study {study_key(config)}: {_workload(config)}; {len(units(config))} units "
-        f"x ({study['trials']} trials + {study['seeds']} reruns) on {workers} worker "
-        f"process(es); trials in {url}")  # fmt: skip
-    started = time.perf_counter()
-    try:
-        execute(config, data, validation, url, workers)
-    except KeyboardInterrupt as interrupt:
-        done, total = count_trials(open_storage(url), config)
-        name = preflight.interruption_name(interrupt)
-        preflight.write_text(
-            folder, preflight.INTERRUPTED_NOTE,
-            f"Interrupted ({name}) after {done} of {total} trials; they are kept in "
-            f"{url}: run the same command again to resume.\n",
-        )  # fmt: skip
-        raise preflight.Interrupted(
-            f"the run folder {folder} keeps config.yaml and {done} of {total} finished "
-            f"trials in {url}; the same command resumes the study"
-        ) from None
-    times = {"prepare": started - STARTED, "workers": workers,
-             "wall": time.perf_counter() - started}  # fmt: skip
+    _check(config)
+    what = f"Study {study_key(config)}: {_workload(config)}"
+    limit = len(units(config)) * config["study"]["trials"]
+    data = (None, None) if data is None else data  # the NQM has none
+    url, times = run_units(__name__, config, data, folder, limit, what, out)
     rows, fits = summarize(config, open_storage(url))
     _write_results(folder, config, rows, fits, url, times)
     out(report(config, rows, fits, url, times))
     out(f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, "
         "curves.png, config.yaml)")  # fmt: skip
     return 0
+
+
+def run_units(command, config, data, folder, limit, what, out, keep=None):
+    """Runs every unit of `command` into the run folder; `(url, times)`.
+
+    config.yaml is written first, the trials go to the folder's study.db (or
+    the block's `storage`), in the block's `workers` processes (all cores
+    for "auto"; at most `limit`). `data` is `(training, validation)`. A
+    Ctrl-C or SIGTERM leaves an INTERRUPTED note and raises
+    `preflight.Interrupted`, after `keep(url, times)`, if given, has written
+    the finished units' results (it returns what the folder then keeps, as
+    words); the same command resumes.
+    """
+    plan = importlib.import_module(command)
+    block, count = config[plan.BLOCK], len(plan.units(config))
+    cores = preflight.available_cores()
+    workers = min(cores if block["workers"] == "auto" else block["workers"], limit)
+    url = block["storage"] or f"sqlite:///{os.path.abspath(folder)}/study.db"
+    preflight.write_text(folder, "config.yaml", dump_config(config))
+    note = os.path.join(folder, preflight.INTERRUPTED_NOTE)
+    if os.path.exists(note):
+        os.remove(note)
+    out(f"{what}; {count} units x ({block['trials']} trials + {block['seeds']} "
+        f"reruns) on {workers} worker process(es); trials in {url}")  # fmt: skip
+    started = time.perf_counter()
+    times = lambda: {"prepare": started - STARTED, "workers": workers,  # noqa: E731
+                     "wall": time.perf_counter() - started}  # fmt: skip
+    try:
+        execute(config, *data, url, workers, command)
+    except KeyboardInterrupt as interrupt:
+        done, total = count_trials(open_storage(url), config, command)
+        kept = keep(url, times()) if keep else ""
+        preflight.write_text(
+            folder, preflight.INTERRUPTED_NOTE,
+            f"Interrupted ({preflight.interruption_name(interrupt)}) after {done} of "
+            f"{total} trials; they are kept in {url}: run the same command again "
+            "to resume.\n",
+        )  # fmt: skip
+        raise preflight.Interrupted(
+            f"the run folder {folder} keeps {done} of {total} finished trials in "
+            f"{url}{kept}; the same command resumes"
+        ) from None
+    return url, times()
