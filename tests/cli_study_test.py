@@ -391,6 +391,36 @@ def _trial_states(url):
     return states
 
 
+def _take_queued(url):
+    """Asks the study "queue" for trials until one is not a queued one."""
+    import optuna
+
+    queue = optuna.load_study(study_name="queue", storage=study.open_storage(url))
+    taken = []
+    while "i" in (trial := queue.ask()).user_attrs:
+        taken.append(trial.user_attrs["i"])
+    return taken
+
+
+def test_processes_sharing_a_storage_never_take_one_queued_trial_twice(tmp_path):
+    """Reruns are queued trials. SQLite ignores SELECT ... FOR UPDATE, so
+    without `open_storage`'s BEGIN IMMEDIATE processes asking at once took
+    one queued trial twice (3 processes, 60 trials: in each of 5 runs)."""
+    import concurrent.futures
+    import multiprocessing
+
+    import optuna
+
+    url = f"sqlite:///{tmp_path}/queue.db"
+    queue = optuna.create_study(study_name="queue", storage=study.open_storage(url))
+    for i in range(60):
+        queue.enqueue_trial({}, user_attrs={"i": i})
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(3, context) as pool:
+        taken = [i for part in pool.map(_take_queued, [url] * 3) for i in part]
+    assert sorted(taken) == list(range(60))
+
+
 def test_two_processes_share_one_study(tmp_path):
     """Two `tf-lars study` processes on one SQLite storage: every budget is
     met exactly, no trial is lost or run twice, and both report it whole."""

@@ -90,11 +90,20 @@ def open_storage(url):
             time.sleep(0.2 * (attempt + 1))
     if sqlite:  # write-ahead logging: a commit need not wait for the disk
 
-        def pragmas(connection, _):
+        def connected(connection, _):
+            connection.isolation_level = None  # SQLAlchemy's `begin` begins
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=NORMAL")
 
-        sqlalchemy.event.listen(storage.engine, "connect", pragmas)
+        def begin(connection):
+            # SQLite ignores SELECT ... FOR UPDATE, so Optuna's read-then-write
+            # (a queued trial taken from WAITING to RUNNING) is atomic only if
+            # each transaction holds the write lock from its start: else two
+            # processes take the same rerun (tests/cli_study_test.py).
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+        sqlalchemy.event.listen(storage.engine, "connect", connected)
+        sqlalchemy.event.listen(storage.engine, "begin", begin)
         storage.engine.dispose()  # the connections made before it
     return storage
 
