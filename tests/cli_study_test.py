@@ -210,13 +210,17 @@ def test_a_rerun_resumes_the_study(tmp_path, run_cli, monkeypatch):
 
     monkeypatch.setattr(study, "run_trial", interrupted)
     code, _, err = run_cli(*argv)
-    assert code == 130 and "resumes" in err, err
+    assert code == 130, err
+    assert "and the 1 finished rows in results.csv; the same command resumes" in err
     assert "after 20 of 38 trials" in (tmp_path / "r" / "INTERRUPTED").read_text()
+    kept = _results(tmp_path / "r")["rows"]  # the finished unit's, kept
+    assert [r["batch_size"] for r in kept] == [8]
+    assert (tmp_path / "r" / "results.csv").read_text().count("\n") == 2
     monkeypatch.setattr(study, "run_trial", real)
     code, _, err = run_cli(*argv)
     assert code == 0, err
     rows = _results(tmp_path / "r")["rows"]
-    assert [r["batch_size"] for r in rows] == [8, 128]
+    assert [r["batch_size"] for r in rows] == [8, 128] and rows[0] == kept[0]
     storage = study.open_storage(f"sqlite:///{tmp_path}/r/study.db")
     import optuna
 

@@ -172,7 +172,8 @@ def plot_steps_to_result(rows, fits, path):
         "line: S_min + E_min/B, dotted: perfect scaling, dashed: B_crit",
         fontsize=9,
     )
-    axes.legend(fontsize=8)
+    if rows:  # none after a Ctrl-C before the first unit finished
+        axes.legend(fontsize=8)
     axes.grid(alpha=0.3, which="both")
     _save(figure, path)
     return figure
@@ -194,7 +195,8 @@ def plot_selected_curves(rows, target, metric, path):
         axes.set_xlabel("step")
         axes.set_title(label)
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+        if rows:
+            axes.legend(fontsize=7)
     panels[0][0].set_ylabel(metric)
     if metric == "expected loss":
         panels[0][0].set_yscale("log")

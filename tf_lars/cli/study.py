@@ -793,31 +793,40 @@ def _check(config):
 
 
 def run(config, data=None, folder=None, overwrite=False, out=print):
-    """`tf-lars study`: every unit's trials, then the results, in the run folder."""
+    """`tf-lars study`: every unit's trials, then the results, in the run
+    folder (after a Ctrl-C: the finished units')."""
     if folder is None:
         data, folder = preflight.preflight("study", config, overwrite)
     _check(config)
     what = f"Study {study_key(config)}: {_workload(config)}"
     limit = len(units(config)) * config["study"]["trials"]
     data = (None, None) if data is None else data  # the NQM has none
-    url, times = run_units(__name__, config, data, folder, limit, what, out)
-    rows, fits = summarize(config, open_storage(url))
-    _write_results(folder, config, rows, fits, url, times)
-    out(report(config, rows, fits, url, times))
+
+    def write(url, times):
+        rows, fits = summarize(config, open_storage(url))
+        _write_results(folder, config, rows, fits, url, times)
+        return rows, fits
+
+    url, times = run_units(
+        __name__, config, data, folder, limit, what, out,
+        keep=lambda url, times: f" and the {len(write(url, times)[0])} finished "
+        "rows in results.csv",
+    )  # fmt: skip
+    out(report(config, *write(url, times), url, times))
     out(f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, "
         "curves.png, config.yaml)")  # fmt: skip
     return 0
 
 
-def run_units(command, config, data, folder, limit, what, out, keep=None):
+def run_units(command, config, data, folder, limit, what, out, keep):
     """Runs every unit of `command` into the run folder; `(url, times)`.
 
     config.yaml is written first, the trials go to the folder's study.db (or
     the block's `storage`), in the block's `workers` processes (all cores
     for "auto"; at most `limit`). `data` is `(training, validation)`. A
     Ctrl-C or SIGTERM leaves an INTERRUPTED note and raises
-    `preflight.Interrupted`, after `keep(url, times)`, if given, has written
-    the finished units' results (it returns what the folder then keeps, as
+    `preflight.Interrupted`, after `keep(url, times)` has written the
+    finished units' results (it returns what the folder then keeps, as
     words); the same command resumes.
     """
     plan = importlib.import_module(command)
@@ -838,7 +847,7 @@ def run_units(command, config, data, folder, limit, what, out, keep=None):
         execute(config, *data, url, workers, command)
     except KeyboardInterrupt as interrupt:
         done, total = count_trials(open_storage(url), config, command)
-        kept = keep(url, times()) if keep else ""
+        kept = keep(url, times())
         preflight.write_text(
             folder, preflight.INTERRUPTED_NOTE,
             f"Interrupted ({preflight.interruption_name(interrupt)}) after {done} of "
