@@ -60,6 +60,7 @@ from tf_lars.distribute import _internals
 from tf_lars.distribute.multi_worker import (
     BackupAndRestore,
     _broadcast_from_first_replica,
+    _optimizer_record,
 )
 
 __all__ = [
@@ -544,6 +545,8 @@ class DiLoCoBackup(BackupAndRestore):
     when `fit` starts the workers agree (a MIN over them) on the newest epoch
     all of them hold, load it, and `fit` continues there. With
     `steps_per_epoch` a multiple of `sync_every`, that is the last outer step.
+    As its parent, it refuses (a `ValueError` on every worker) a backup of
+    another optimizer or of an epoch after the `fit`'s last, and keeps it.
     The backups are kept when `fit` ends.
 
     Args:
@@ -580,6 +583,8 @@ class DiLoCoBackup(BackupAndRestore):
         _check_diloco(model.optimizer, "model.optimizer")
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
+        # Taken before a backup is loaded: loading replaces the learning rate.
+        self._record = _optimizer_record(model.optimizer)
         epochs = dict(self._files()["epoch"])
         epoch = self._agreed(max(epochs, default=0))
         if epoch and epoch not in epochs:
@@ -588,6 +593,16 @@ class DiLoCoBackup(BackupAndRestore):
                 f"{self.backup_dir} does not hold (it has {sorted(epochs)})."
             )
         if epoch:
+            # The parent's refusal (another optimizer, a later epoch), agreed:
+            # a worker that raised alone would leave the others waiting.
+            refusal = self._refusal(epoch, epochs[epoch])
+            if not self._agreed(int(refusal is None)):
+                _internals.start_fit_at_epoch(model, None)
+                raise ValueError(
+                    refusal
+                    or f"DiLoCoBackup: another worker refused its backup of epoch "
+                    f"{epoch} (its error says what differs); this worker stops too."
+                )
             model.load_weights(epochs[epoch])
         self.restored_epoch = epoch
         _internals.start_fit_at_epoch(model, epoch or None)
@@ -596,7 +611,7 @@ class DiLoCoBackup(BackupAndRestore):
         done = _internals.epochs_done(self)
         tf.io.gfile.makedirs(self.backup_dir)
         partial = os.path.join(self.backup_dir, f"partial-{done}.weights.h5")
-        self.model.save_weights(partial, overwrite=True)
+        self._save(partial, done)  # the weights and the optimizer's record
         tf.io.gfile.rename(
             partial, os.path.join(self.backup_dir, f"epoch-{done}.weights.h5"), True
         )

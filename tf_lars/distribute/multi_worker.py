@@ -648,7 +648,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if not what:
             return None
         return (
-            f"BackupAndRestore: the backup {path} does not match this training: "
+            f"{type(self).__name__}: the backup {path} does not match this training: "
             f"{what}. It was not loaded and is kept; delete it (or pass another "
             "`backup_dir`) to start from the beginning."
         )
