@@ -300,15 +300,16 @@ def test_one_worker_fit_and_backup_resume_in_one_process(tmp_path):
     path = tmp_path / "backup" / "worker-0" / "epoch-2.weights.h5"
     other = script.fit_optimizer()
     other.sync_every = 4
+    late = "it is of epoch 2, after this fit's last (epochs=1)"
     for optimizer, epochs, what in [
         (other, 2, "the optimizer config differs: sync_every=3 in the backup, 4 here"),
-        (script.fit_optimizer(), 1, "it is of epoch 2, after this fit's last (epochs=1)"),
+        (script.fit_optimizer(), 1, late),
     ]:
         again = script.make_model(7)
         again.compile(optimizer, "mse")
+        callbacks = [DiLoCoBackup(str(tmp_path / "backup")), DiLoCoSync()]
         with pytest.raises(ValueError) as raised:
-            again.fit(x, y, batch_size=8, epochs=epochs, verbose=0,
-                      callbacks=[DiLoCoBackup(str(tmp_path / "backup")), DiLoCoSync()])  # fmt: skip
+            again.fit(x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=callbacks)
         assert str(raised.value) == (
             f"DiLoCoBackup: the backup {path} does not match this training: {what}. "
             "It was not loaded and is kept; delete it (or pass another `backup_dir`) "
