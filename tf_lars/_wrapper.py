@@ -174,9 +174,17 @@ class InnerOptimizerWrapper:
     takes_no_trust_ratio = True
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise ValueError(
-            "`stateless_apply` is not supported with the TensorFlow backend; "
-            "use `apply`."
+        """`apply` on given values: returns the new model and optimizer
+        values (Keras's own, the base optimizer's: our `apply` in a
+        stateless scope), as the JAX trainer calls it, under `jax.jit` or
+        not. Refused on TensorFlow, as for every Keras optimizer there."""
+        if on_tensorflow():
+            raise ValueError(
+                "`stateless_apply` is not supported with the TensorFlow backend; "
+                "use `apply`."
+            )
+        return keras.optimizers.Optimizer.stateless_apply(
+            self, optimizer_variables, grads, trainable_variables
         )
 
     def _wrapper_config(self, **arguments):

@@ -278,21 +278,6 @@ class LossScaleOptimizer(
         else:
             self._apply_and_select(finite, unscaled, trainable_variables, variables)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """`apply` on given values: returns the new model and optimizer values.
-
-        What the JAX trainer calls (under `jax.jit` or not). Not on the
-        TensorFlow backend, whose optimizers write their variables directly.
-        """
-        if on_tensorflow():
-            return super().stateless_apply(
-                optimizer_variables, grads, trainable_variables
-            )
-        # Keras's own (the base optimizer's): our `apply` in a stateless scope.
-        return keras.optimizers.Optimizer.stateless_apply(
-            self, optimizer_variables, grads, trainable_variables
-        )
-
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
         self.apply(grads, trainable_variables)

@@ -227,17 +227,6 @@ class GradientNoiseScale(
         """The replicas the inner optimizer sums (TensorFlow's: the strategy's)."""
         return 1
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """Keras's `stateless_apply` (what the JAX trainer calls); refused on
-        TensorFlow, as for every Keras optimizer there."""
-        if keras.backend.backend() == "tensorflow":
-            return super().stateless_apply(
-                optimizer_variables, grads, trainable_variables
-            )
-        return keras.optimizers.Optimizer.stateless_apply(
-            self, optimizer_variables, grads, trainable_variables
-        )
-
     def get_config(self):
         return self._wrapper_config(
             batch_size=self.batch_size,

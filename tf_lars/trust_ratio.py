@@ -446,17 +446,6 @@ class TrustRatio(
         # not under tf.distribute).
         return True
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """Keras's `stateless_apply` (what the JAX trainer calls); refused on
-        TensorFlow, as for every Keras optimizer there."""
-        if keras.backend.backend() == "tensorflow":
-            return super().stateless_apply(
-                optimizer_variables, grads, trainable_variables
-            )
-        return keras.optimizers.Optimizer.stateless_apply(
-            self, optimizer_variables, grads, trainable_variables
-        )
-
     # --------------------------------------------------------- serialization
     def _trust_ratio_config(self):
         return {
