@@ -235,6 +235,20 @@ def test_a_rerun_resumes_the_study(tmp_path, run_cli, monkeypatch):
     assert sorted(counts) == [3, 3, 16, 16]
 
 
+def test_a_second_ctrl_c_while_results_are_written_keeps_the_note(
+    tmp_path, run_cli, monkeypatch
+):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "run_trial", interrupted)
+    monkeypatch.setattr(study, "_write_results", interrupted)  # the second
+    code, _, err = run_cli(*_quick(tmp_path, "r"), *SGD_ONLY)
+    assert code == 130, err
+    note = (tmp_path / "r" / "INTERRUPTED").read_text()
+    assert note.startswith("Interrupted (Ctrl-C) after 0 of 114 trials")
+
+
 @pytest.mark.parametrize("direction", ["minimize", "maximize"])
 def test_a_unit_selects_its_best_trial_and_reruns_it(direction, monkeypatch):
     """The runner `study` and `lowcomm` share: a unit runs its budget of

@@ -825,7 +825,7 @@ def run_units(command, config, data, folder, limit, what, out, keep):
     the block's `storage`), in the block's `workers` processes (all cores
     for "auto"; at most `limit`). `data` is `(training, validation)`. A
     Ctrl-C or SIGTERM leaves an INTERRUPTED note and raises
-    `preflight.Interrupted`, after `keep(url, times)` has written the
+    `preflight.Interrupted`, once `keep(url, times)` has written the
     finished units' results (it returns what the folder then keeps, as
     words); the same command resumes.
     """
@@ -847,13 +847,15 @@ def run_units(command, config, data, folder, limit, what, out, keep):
         execute(config, *data, url, workers, command)
     except KeyboardInterrupt as interrupt:
         done, total = count_trials(open_storage(url), config, command)
-        kept = keep(url, times())
+        # The note first: a second Ctrl-C while the results are written
+        # (each file whole or not at all) leaves it.
         preflight.write_text(
             folder, preflight.INTERRUPTED_NOTE,
             f"Interrupted ({preflight.interruption_name(interrupt)}) after {done} of "
             f"{total} trials; they are kept in {url}: run the same command again "
             "to resume.\n",
         )  # fmt: skip
+        kept = keep(url, times())
         raise preflight.Interrupted(
             f"the run folder {folder} keeps {done} of {total} finished trials in "
             f"{url}{kept}; the same command resumes"
