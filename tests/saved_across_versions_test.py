@@ -61,8 +61,9 @@ def make_model():
     )
 
 
-def make_keras_file_model():
-    """The `.keras` file's model: compiled with LossScale(LARS(schedule))."""
+def make_keras_file_optimizer():
+    """The `.keras` files' optimizer (these and 0.1.0's, saved_v0_1_0_test.py):
+    LossScale(LARS(schedule))."""
     schedule = tf_lars.WarmupPolynomialDecay(0.5, warmup_steps=2, decay_steps=10)
     lars = tf_lars.LARS(
         learning_rate=schedule,
@@ -72,12 +73,14 @@ def make_keras_file_model():
         exclude_from_weight_decay=["<1d>"],
         nesterov=True,
     )
-    optimizer = tf_lars.LossScaleOptimizer(
-        lars, initial_scale=128.0, dynamic_growth_steps=3
-    )
+    return tf_lars.LossScaleOptimizer(lars, initial_scale=128.0, dynamic_growth_steps=3)
+
+
+def make_keras_file_model():
+    """The `.keras` file's model, compiled with `make_keras_file_optimizer()`."""
     model = make_model()
     model.compile(
-        optimizer=optimizer,
+        optimizer=make_keras_file_optimizer(),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     return model

@@ -14,20 +14,18 @@ elements differ by one ulp), so across machines bit-exactness is not a
 property to test.
 """
 
-import pathlib
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 import tf_lars
-
-DATA = pathlib.Path(__file__).resolve().parent / "data"
-
-
-def _data():
-    with np.load(DATA / "v0_1_0_data.npz") as arrays:
-        return arrays["x"], arrays["y"]
+from tests.saved_across_versions_test import (
+    DATA,
+    data,
+    loop_epoch,
+    make_keras_file_optimizer,
+    make_model,
+)
 
 
 def _expected(name):
@@ -60,27 +58,16 @@ def _copy_state(source_model, source_optimizer, model, optimizer):
         target.assign(value)
 
 
-def _model():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(5, activation="tanh", name="hidden"),
-            keras.layers.Dense(3, name="out"),
-        ]
-    )
-
-
 def test_keras_file_from_0_1_0_continues_exactly():
-    x, y = _data()
+    x, y = data()
     model = keras.models.load_model(DATA / "v0_1_0_lars.keras")
     optimizer = model.optimizer
     assert isinstance(optimizer, tf_lars.LossScaleOptimizer)
     assert isinstance(optimizer.inner_optimizer, tf_lars.LARS)
     assert optimizer.inner_optimizer.nesterov
     assert int(optimizer.iterations.numpy()) == 4
-    fresh = _model()
-    fresh.compile(optimizer=_lars_as_in_0_1_0(), loss=model.loss)
+    fresh = make_model()
+    fresh.compile(optimizer=make_keras_file_optimizer(), loss=model.loss)
     fresh.optimizer.build(fresh.trainable_variables)
     _copy_state(model, optimizer, fresh, fresh.optimizer)
     for continued in (model, fresh):
@@ -91,20 +78,6 @@ def test_keras_file_from_0_1_0_continues_exactly():
     _assert_close_to_stored(model.weights, "v0_1_0_lars_expected.npz")
 
 
-def _lars_as_in_0_1_0():
-    """The optimizer tests/data/make_v0_1_0.py saved in the .keras file."""
-    schedule = tf_lars.WarmupPolynomialDecay(0.5, warmup_steps=2, decay_steps=10)
-    lars = tf_lars.LARS(
-        learning_rate=schedule,
-        momentum=0.9,
-        weight_decay=1e-3,
-        trust_coefficient=0.02,
-        exclude_from_weight_decay=["<1d>"],
-        nesterov=True,
-    )
-    return tf_lars.LossScaleOptimizer(lars, initial_scale=128.0, dynamic_growth_steps=3)
-
-
 def _agn_as_in_0_1_0():
     return tf_lars.AGN(
         tf_lars.LARS(learning_rate=0.3, momentum=0.9, weight_decay=1e-3),
@@ -112,22 +85,8 @@ def _agn_as_in_0_1_0():
     )
 
 
-def _agn_steps(model, optimizer, x, y):
-    for i in range(4):
-        with tf.GradientTape() as tape:
-            logits = model(x[8 * i : 8 * i + 8])
-            loss = tf.reduce_mean(
-                keras.losses.sparse_categorical_crossentropy(
-                    y[8 * i : 8 * i + 8], logits, from_logits=True
-                )
-            )
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-
-
 def test_agn_checkpoint_from_0_1_0_continues_exactly():
-    x, y = _data()
-    model = _model()
+    model = make_model()
     optimizer = _agn_as_in_0_1_0()
     optimizer.build(model.trainable_variables)
     status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(
@@ -136,12 +95,12 @@ def test_agn_checkpoint_from_0_1_0_continues_exactly():
     status.assert_existing_objects_matched()
     assert int(optimizer.commits.numpy()) == 1
     assert int(optimizer.iterations.numpy()) == 4
-    fresh, fresh_optimizer = _model(), _agn_as_in_0_1_0()
+    fresh, fresh_optimizer = make_model(), _agn_as_in_0_1_0()
     fresh_optimizer.build(fresh.trainable_variables)
     _copy_state(model, optimizer, fresh, fresh_optimizer)
 
-    _agn_steps(model, optimizer, x, y)
-    _agn_steps(fresh, fresh_optimizer, x, y)
+    loop_epoch(model, optimizer)
+    loop_epoch(fresh, fresh_optimizer)
     assert int(optimizer.commits.numpy()) == 2
     for got, want in zip(model.weights, fresh.weights, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
