@@ -7,7 +7,8 @@
 `fit`: `model.fit` with `DiLoCoSync` and `DiLoCoBackup` (4 epochs of 4
 steps, sync_every=3: outer steps fall inside epochs); with `--kill`, worker 1
 SIGKILLs itself after that batch on the job's first run, and the launcher
-restarts the whole job. `all`: the same `fit`, then in the same processes
+restarts the whole job; then a `fit` whose worker 1 refuses its backup
+(`refusal-worker<I>.txt`). `all`: the same `fit`, then in the same processes
 custom loops with `synchronize`: int4 codes with error feedback and two
 streaming fragments (all-gathered), bfloat16 with error feedback
 (all-reduced in bfloat16), and H = 1 with outer SGD(1.0) (data-parallel SGD,
@@ -64,11 +65,11 @@ def make_model(seed):
     )
 
 
-def fit_optimizer():
+def fit_optimizer(sync_every=3):
     return tf_lars.DiLoCo(
         keras.optimizers.SGD(0.05, momentum=0.9, name="inner"),
         keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True, name="outer"),
-        sync_every=3,
+        sync_every=sync_every,
         exchange="external",  # DiLoCoSync, synchronize or simulate_sync
     )
 
@@ -204,6 +205,23 @@ def run_fit(out, backup_dir, worker, strategy, kill):
     )
 
 
+def run_refusal(out, backup_dir, worker, strategy):
+    """After `fit`, in the same processes: worker 1 resumes with another
+    DiLoCo (sync_every=4) and refuses its backup; worker 0, whose backup
+    matches, stops too. Each writes its error to `refusal-worker<I>.txt`."""
+    model = make_model(1 + worker)
+    model.compile(fit_optimizer(sync_every=4 if worker == 1 else 3), "mse")
+    callbacks = [DiLoCoBackup(backup_dir, strategy), DiLoCoSync(strategy)]
+    try:
+        model.fit(*shard(worker), batch_size=BATCH, epochs=EPOCHS, verbose=0,
+                  callbacks=callbacks)  # fmt: skip
+        message = "fit ran"
+    except ValueError as error:
+        message = str(error)
+    with open(os.path.join(out, f"refusal-worker{worker}.txt"), "w") as handle:
+        handle.write(message)
+
+
 def main(out, backup_dir, mode, kill):
     config = distribute.parse_tf_config(mode="sync")
     strategy = distribute.multi_worker_strategy(config, communication_timeout=60)
@@ -214,6 +232,8 @@ def main(out, backup_dir, mode, kill):
         print(f"[worker {worker}] done", flush=True)
         return
     run_fit(out, backup_dir, worker, strategy, kill)
+    if mode == "fit":
+        run_refusal(out, backup_dir, worker, strategy)
     if mode == "all":  # the same processes go on with the custom loops
         run_loop(out, worker, strategy, loop_optimizer, "loop")
         run_loop(out, worker, strategy, bfloat16_optimizer, "bf16")

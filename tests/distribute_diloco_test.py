@@ -150,6 +150,28 @@ def test_killed_worker_restarted_job_ends_bit_for_bit_as_uninterrupted(jobs):
 
 
 @pytest.mark.slow
+def test_a_worker_refusing_its_backup_stops_every_worker(jobs):
+    # After the restarted job's `fit`, worker 1 resumes with another DiLoCo:
+    # it refuses its backup, and worker 0 (whose backup matches) stops too
+    # instead of waiting for it in the first collective.
+    job = jobs["interrupted"]
+    path = os.path.join(job["backup"], "worker-1", "epoch-4.weights.h5")
+    refusals = []
+    for worker in range(2):
+        with open(os.path.join(job["out"], f"refusal-worker{worker}.txt")) as handle:
+            refusals.append(handle.read())
+    assert refusals == [
+        "DiLoCoBackup: another worker refused its backup of epoch 4 (its error "
+        "says what differs); this worker stops too.",
+        f"DiLoCoBackup: the backup {path} does not match this training: the "
+        "optimizer config differs: sync_every=3 in the backup, 4 here. It was not "
+        "loaded and is kept; delete it (or pass another `backup_dir`) to start "
+        "from the beginning.",
+    ]
+    assert os.path.exists(path)
+
+
+@pytest.mark.slow
 def test_custom_loop_int4_streaming_equals_the_simulation(jobs):
     # All-gathered, decoded and summed in worker order, as `simulate_sync`
     # does: the same bits (for every M).
@@ -298,8 +320,7 @@ def test_one_worker_fit_and_backup_resume_in_one_process(tmp_path):
     ]
     # The parent's refusals: another DiLoCo, a fit shorter than the backup.
     path = tmp_path / "backup" / "worker-0" / "epoch-2.weights.h5"
-    other = script.fit_optimizer()
-    other.sync_every = 4
+    other = script.fit_optimizer(sync_every=4)
     late = "it is of epoch 2, after this fit's last (epochs=1)"
     for optimizer, epochs, what in [
         (other, 2, "the optimizer config differs: sync_every=3 in the backup, 4 here"),
