@@ -86,6 +86,8 @@ def quantize(x, bits, granularity="tensor"):
         `(codes, scale)`: int8 codes of `x`'s shape, and the scale in `x`'s
         dtype, of shape `()` or `(rows, 1, ...)`.
     """
+    # A tensor: a NumPy `x / scale` with a CUDA tensor is a TypeError (torch).
+    x = ops.convert_to_tensor(x)
     dtype = keras.backend.standardize_dtype(x.dtype)
     levels = 2 ** (bits - 1) - 1
     if granularity == "row" and len(x.shape) >= 2:
