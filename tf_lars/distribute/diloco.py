@@ -536,7 +536,8 @@ class DiLoCoBackup(BackupAndRestore):
     job exactly.
 
     A subclass of `tf_lars.distribute.BackupAndRestore` (so of Keras's),
-    overriding what it loads and saves. Each worker's state differs between
+    overriding what it loads and when an older backup may go (it saves as
+    its parent does, on every worker). Each worker's state differs between
     outer steps (its own weights and inner-optimizer slots), so each writes
     its own file, `<backup_dir>/worker-<I>/epoch-<E>.weights.h5` (the model's
     weights and every optimizer variable: `theta`, the outer slots, the error
@@ -607,15 +608,7 @@ class DiLoCoBackup(BackupAndRestore):
         self.restored_epoch = epoch
         _internals.start_fit_at_epoch(model, epoch or None)
 
-    def _save_model(self):
-        done = _internals.epochs_done(self)
-        tf.io.gfile.makedirs(self.backup_dir)
-        partial = os.path.join(self.backup_dir, f"partial-{done}.weights.h5")
-        self._save(partial, done)  # the weights and the optimizer's record
-        tf.io.gfile.rename(
-            partial, os.path.join(self.backup_dir, f"epoch-{done}.weights.h5"), True
-        )
-        self._agreed(done)  # every worker has written epoch `done`
-        for number, path in self._files()["epoch"]:
-            if number < done:
-                tf.io.gfile.remove(path)
+    def _written(self, epochs_done):
+        # The parent's `_save_model` (every worker writes its own file) keeps
+        # the older backups until every worker has written this one.
+        self._agreed(epochs_done)

@@ -677,9 +677,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # Killed at any point, the chief leaves the previous backup or this
         # one complete, never a mix.
         tf.io.gfile.rename(partial, final, overwrite=True)
+        self._written(done)
         for number, path in self._files()["epoch"]:
             if number < done:
                 tf.io.gfile.remove(path)
+
+    def _written(self, epochs_done):
+        """Returns once the backup of `epochs_done` may replace the older
+        ones: at once here (the chief alone writes; `DiLoCoBackup` waits for
+        every worker's)."""
 
     def on_train_end(self, logs=None):
         # Not Keras's, which deletes all of `backup_dir`: only the backups.
