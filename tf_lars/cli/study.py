@@ -330,8 +330,9 @@ def evaluate(config, unit, trial, seed, rerun):
     its objective, `_value`. The first rerun's seed also takes the test set."""
     entry, batch = unit
     params = _suggest(trial, config, entry)
-    steps = [t.user_attrs["result"]["steps"] for t in _complete(trial.study)]
-    reached = [s for s in steps if s is not None and not rerun]
+    steps = [] if rerun else [t.user_attrs["result"]["steps"]
+                              for t in _complete(trial.study)]  # fmt: skip
+    reached = [s for s in steps if s is not None]
     test = rerun and seed == config["seed"] + 1
     result = run_trial(
         config, _CONTEXT["data"], _CONTEXT["validation"], entry, batch, params, seed,
