@@ -234,6 +234,7 @@ SECOND_TIER = {
         "test_tee_copies_every_byte_to_the_log_and_each_line_to_the_terminal",
         "test_log_tail_is_the_last_lines_of_the_latest_run",
         "test_launcher_runs_a_script_path_or_a_module",
+        "test_a_launcher_made_cluster_names_free_ports_on_its_host",
     },
     "distribute_multi_worker_test.py": set(),
     "distribute_preempt_test.py": {

@@ -20,7 +20,9 @@ from tests.distribute_launch_helpers import (
     read_json,
 )
 from tf_lars.distribute._process import die_with_parent
+from tf_lars.distribute.cluster import bind_host, local_cluster
 from tf_lars.distribute.logs import log_tail, tee_stdout
+from tf_lars.distribute.tf_config import split_address
 
 # The accuracy this run reaches is stated in docs/guides/parameter-servers.md; the bar
 # leaves room for the random worker interleaving (measured 0.975-0.986).
@@ -206,3 +208,23 @@ def test_log_tail_is_the_last_lines_of_the_latest_run(tmp_path):
     assert log_tail(str(log_path))[0] == "first run 18"  # 15 lines by default
     assert log_tail(str(log_path), lines=0) == []
     assert log_tail(str(tmp_path / "missing.log")) == []
+
+
+# ------------------------------------------------------------ the cluster
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1", "[::1]"])
+def test_a_launcher_made_cluster_names_free_ports_on_its_host(host):
+    cluster = local_cluster(2, 1, host)
+    assert sorted(cluster) == ["chief", "ps", "worker"]
+    assert [len(cluster[t]) for t in ("chief", "worker", "ps")] == [1, 2, 1]
+    addresses = [address for kind in cluster.values() for address in kind]
+    # An IPv6 literal is written in brackets (`[::1]:port`), as TF_CONFIG
+    # and gRPC read it; `--host ::1` failed before (an IPv4 socket bound it).
+    shown = f"[{host.strip('[]')}]" if ":" in host else host
+    assert all(address.startswith(f"{shown}:") for address in addresses)
+    ports = [split_address(address)[1] for address in addresses]
+    assert len(set(ports)) == 4
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for address in addresses:
+        name, port = split_address(address)
+        with socket.socket(family) as sock:
+            sock.bind((bind_host(name), port))  # free a moment ago

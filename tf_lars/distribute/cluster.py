@@ -36,9 +36,10 @@ def free_ports(count, host="localhost"):
     The sockets are bound together (to port 0) and then released, so the
     kernel hands out distinct ports.
     """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with contextlib.ExitStack() as stack:
         sockets = [
-            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
             for _ in range(count)
         ]
         for sock in sockets:
@@ -47,8 +48,9 @@ def free_ports(count, host="localhost"):
 
 
 def bind_host(host):
-    """The address to bind for a cluster host name (`localhost`: 127.0.0.1)."""
-    return "127.0.0.1" if host == "localhost" else host
+    """The address to bind for a cluster host name (`localhost`: 127.0.0.1,
+    an IPv6 literal without its brackets)."""
+    return "127.0.0.1" if host == "localhost" else host.strip("[]")
 
 
 def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
@@ -57,7 +59,8 @@ def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
     Args:
         num_workers: int >= 1, worker tasks.
         num_ps: int, parameter-server tasks (>= 1 in ps mode, 0 in sync mode).
-        host: str, the host name in the addresses. Defaults to "localhost".
+        host: str, the host name in the addresses (an IPv6 literal, with or
+            without brackets, is written in brackets). Defaults to "localhost".
         mode: "ps" (1 chief, workers, ps) or "sync" (workers only, for
             `MultiWorkerMirroredStrategy`). Defaults to "ps".
 
@@ -83,6 +86,8 @@ def local_cluster(num_workers, num_ps, host="localhost", mode="ps"):
         else {"chief": 1, "worker": num_workers, "ps": num_ps}
     )
     ports = iter(free_ports(sum(counts.values()), bind_host(host)))
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     return {
         task_type: [f"{host}:{next(ports)}" for _ in range(count)]
         for task_type, count in counts.items()
