@@ -803,3 +803,18 @@ def test_a_period_longer_than_an_epoch_is_refused():
         "`distribute.agn.communication_period` must be at most each worker's steps "
         "per epoch (14). Received: distribute.agn.communication_period=15"
     )
+
+
+def test_a_diloco_round_longer_than_the_run_is_refused():
+    # Before, the run trained, took no outer step and saved the model it
+    # started with (exit status 0).
+    from tf_lars.cli.train import _diloco
+
+    block = {"sync_every": 43, "compression": "none", "outer_optimizer": None}
+    with pytest.raises(ConfigError) as caught:
+        _diloco(block, {"steps_per_epoch": 21, "optimizer": None}, epochs=2)
+    assert str(caught.value) == (
+        "`distribute.diloco.sync_every` must be at most the steps each worker runs "
+        "(21 per epoch x 2 epochs), or no outer step runs. Received: "
+        "distribute.diloco.sync_every=43"
+    )

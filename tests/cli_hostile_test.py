@@ -574,6 +574,102 @@ def test_labels_beyond_the_class_bound(tmp_path):
     )
 
 
+def _patched_zip(path, offsets, value):
+    """Sets the 16-bit field at `offsets` = (local header, central header)
+    of every member of the zip file at `path` to `value` | its bit 0."""
+    data = bytearray(path.read_bytes())
+    for signature, offset in zip((b"PK\x03\x04", b"PK\x01\x02"), offsets):
+        start = data.find(signature)
+        while start != -1:
+            field = int.from_bytes(data[start + offset : start + offset + 2], "little")
+            field = value if value > 1 else field | value
+            data[start + offset : start + offset + 2] = field.to_bytes(2, "little")
+            start = data.find(signature, start + 4)
+    path.write_bytes(bytes(data))
+
+
+HOSTILE_NPZ = {
+    "no features": (
+        {"x_train": np.zeros((4, 0)), "x_test": np.zeros((2, 0))},
+        "x_train's examples have shape (0,): no values",
+    ),
+    "no channels": (
+        {"x_train": np.zeros((4, 3, 3, 0)), "x_test": np.zeros((2, 3, 3, 0))},
+        "x_train's examples have shape (3, 3, 0): no values",
+    ),
+    "beyond float32": (
+        {"x_test": np.full((2, 3), -1e300)},
+        "x_test holds values up to 1e+300 in magnitude, beyond float32's range (the "
+        "model computes in float32)",
+    ),
+    "float labels beyond int64": (
+        {"y_train": np.full(4, 1e30)},
+        "labels out of range: y_train holds class ids in [1e+30, 1e+30], beyond any "
+        "number of classes",
+    ),
+    "uint64 labels beyond int64": (
+        {"y_test": np.array([0, 2**64 - 1], np.uint64)},
+        "labels out of range: y_test holds class ids in [0, 18446744073709551615], "
+        "beyond any number of classes",
+    ),
+    # zipfile raises RuntimeError and NotImplementedError for these.
+    "encrypted": (
+        (6, 8),
+        "cannot read as .npz (a member is encrypted); the file "
+        "must be what numpy.savez writes",
+    ),
+    "unknown compression": (
+        (8, 10),
+        "cannot read as .npz (That compression method "
+        "is not supported); the file must be what numpy.savez "
+        "writes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_NPZ))
+def test_a_hostile_npz_is_one_line(case, tmp_path):
+    # Each crashed before (a traceback, a C++ abort, or a wrapped label).
+    change, expected = HOSTILE_NPZ[case]
+    arrays = {
+        "x_train": np.zeros((4, 3)),
+        "y_train": np.array([0, 1, 0, 1]),
+        "x_test": np.zeros((2, 3)),
+        "y_test": np.array([0, 1]),
+    }
+    path = tmp_path / "d.npz"
+    if isinstance(change, dict):
+        np.savez(path, **(arrays | change))
+    else:
+        np.savez(path, **arrays)
+        _patched_zip(path, change, 1 if case == "encrypted" else 97)
+    line = refused_before_tensorflow(
+        ["train", "--set", f"data.path={path}", "--set", "model.name=mlp",
+         "--set", "training.batch_size=2", *CHEAP],
+        tmp_path,
+    )  # fmt: skip
+    assert line == f"tf-lars train: error: data.path={path}: {expected}"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--set", "loss_scale.dynamic_growth_steps=100000000000000000000"],
+         "`loss_scale.dynamic_growth_steps` must be at most 2147483647 (2**31 - 1). "
+         "Received: loss_scale.dynamic_growth_steps=100000000000000000000"),
+        (["--set", "schedule.name=warmup_polynomial_decay",
+          "--set", "schedule.warmup_epochs=1e308"],
+         "`schedule.warmup_epochs` must be less than the number of epochs (1). "
+         "Received: schedule.warmup_epochs=1e+308"),
+    ],
+)  # fmt: skip
+def test_numbers_too_large_for_a_run_are_one_line(argv, expected, tmp_path):
+    # Before: a TypeError deep in TensorFlow, and an OverflowError.
+    line = refused_before_tensorflow(["train", *CHEAP, *argv], tmp_path)
+    assert line == f"tf-lars train: error: {expected}"
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     "class_name, advice",
     [

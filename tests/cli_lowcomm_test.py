@@ -299,6 +299,20 @@ def test_the_command_tunes_reruns_and_writes_the_report(tmp_path, run_cli):
             "training.batch_size=20000",
         ),
         (["--set", "outer_optimizer.class_name=NoSuch"], "outer_optimizer"),
+        (
+            ["--set", "workers=[2, 4, 2]"],
+            "`workers` must be unique. Received: workers=2 twice",
+        ),
+        (
+            ["--set", "methods=[dp, dp]"],
+            "`methods` must be unique. Received: methods='dp' twice",
+        ),
+        (
+            ["--set", "sync_every=[10, 601]"],
+            "`sync_every` must hold at most "
+            "`training.steps` (600) inner steps per exchange, or no exchange runs. "
+            "Received: sync_every=[10, 601]",
+        ),
     ],
 )
 def test_bad_configs_are_one_line_and_status_2(

@@ -594,6 +594,31 @@ def test_user_file_merges_over_default_and_replaces_optimizer(tmp_path):
     assert type(optimizer_from_block(config["optimizer"])) is keras.optimizers.Adam
 
 
+def test_every_optimizer_block_of_a_user_file_replaces_the_default_one(tmp_path):
+    # The outer optimizers too: before, they were merged key by key, so SGD
+    # took the default's Nesterov momentum and Adam was refused its `momentum`.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "outer_optimizer: {class_name: SGD, config: {learning_rate: 0.5}}\n"
+        "async_outer_optimizer: {class_name: Adam, config: {learning_rate: 0.01}}\n"
+    )
+    config = load_config("lowcomm", path)
+    assert config["outer_optimizer"] == {
+        "class_name": "SGD",
+        "config": {"learning_rate": 0.5},
+    }
+    assert config["async_outer_optimizer"]["config"] == {"learning_rate": 0.01}
+    path.write_text(
+        "distribute:\n  diloco:\n    outer_optimizer:\n      class_name: Adam\n"
+    )
+    block = load_config("train", path)["distribute"]["diloco"]
+    assert block["outer_optimizer"] == {"class_name": "Adam", "config": {}}
+    assert (
+        block["sync_every"]
+        == default_config("train")["distribute"]["diloco"]["sync_every"]
+    )
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 

@@ -204,6 +204,7 @@ SECOND_TIER = {
         "test_logical_cpus_once_devices_are_initialized",
         "test_bad_tf_config_is_one_line",
         "test_a_period_longer_than_an_epoch_is_refused",
+        "test_a_diloco_round_longer_than_the_run_is_refused",
     },
     "distribute_diloco_test.py": {
         "test_one_worker_fit_and_backup_resume_in_one_process",

@@ -9,7 +9,8 @@ the dotted key. Every problem is a `ConfigError` whose one-line message
 names that key, the rule (the one each leaf type carries) and the received
 value.
 
-Two rules on merging: an `optimizer` block given by the user replaces the
+Two rules on merging: an optimizer block given by the user (`optimizer`,
+or a key ending in `_optimizer`: `outer_optimizer`, ...) replaces the
 default one as a whole (its `config` holds one class's constructor
 arguments, which do not mix with another class's), and lists replace lists.
 The optimizer block is checked for shape here, and against its class's
@@ -222,7 +223,12 @@ _BATCH = pydantic.conint(strict=True, ge=1) | Literal["full"]
 _OPTIMIZER_RULE = "a mapping with `class_name` and `config`"
 
 
-def _int(low, high=None):
+#: The largest count a key takes (steps, widths, trials, ...): TensorFlow
+#: holds shapes and step counts in int32; a larger one failed deep inside.
+MAX_COUNT = 2**31 - 1
+
+
+def _int(low, high=MAX_COUNT):
     return pydantic.conint(strict=True, ge=low, le=high)
 
 
@@ -499,6 +505,8 @@ def _rule(kind, metadata=()):
         for name in ("ge", "gt", "le", "lt", "min_length"):
             if getattr(item, name, None) is not None:
                 bound[name] = getattr(item, name)
+    if bound.get("le") == MAX_COUNT:
+        del bound["le"]  # said only when broken (`_message`)
     if origin is list:
         return f"a list of at least {bound['min_length']} item(s)"
     if isinstance(kind, type) and issubclass(kind, pydantic.BaseModel):
@@ -558,6 +566,8 @@ def _message(model, error):
     field, kind, length = _field(model, error["loc"])
     key = ".".join(str(part) for part in error["loc"][:length])
     rule = getattr(field, "description", None) or f"must be {_rule(kind)}"
+    if error["type"] == "less_than_equal" and error["ctx"]["le"] == MAX_COUNT:
+        rule = f"must be at most {MAX_COUNT} (2**31 - 1)"
     return f"`{key}` {rule}. Received: {key}={error['input']!r}", key
 
 
@@ -577,7 +587,9 @@ def validate_config(command, config):
 def _merge(base, update):
     result = copy.deepcopy(base)
     for name, value in update.items():
-        if name != "optimizer" and isinstance(value, dict):
+        # An optimizer block (`optimizer`, `outer_optimizer`, ...) is replaced.
+        optimizer = name == "optimizer" or str(name).endswith("_optimizer")
+        if not optimizer and isinstance(value, dict):
             if isinstance(result.get(name), dict):
                 value = _merge(result[name], value)
         result[name] = copy.deepcopy(value)

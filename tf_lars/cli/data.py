@@ -190,6 +190,14 @@ def _load_npz(data_config):
             f"{where}: holds object (pickled) arrays, which are not loaded: "
             f"{', '.join(REQUIRED_ARRAYS)} must be numeric arrays"
         ) from None
+    except (RuntimeError, NotImplementedError) as error:
+        # zipfile's errors for an encrypted member and a compression method
+        # it does not know: numpy.savez writes neither.
+        detail = "a member is encrypted" if "encrypted" in str(error) else error
+        raise DataError(
+            f"{where}: cannot read as .npz ({one_line(detail)}); the file must be "
+            "what numpy.savez writes"
+        ) from None
     except (OSError, zipfile.BadZipFile, EOFError) as error:
         raise DataError(f"{where}: cannot read as .npz ({one_line(error)})") from None
     arrays = [arrays[name] for name in REQUIRED_ARRAYS]
@@ -236,6 +244,11 @@ def _labels(name, y, where):
     )
     if not integral:
         raise DataError(f"{where}: {name} must hold integer class ids")
+    if y.size and (y.min() < -(2**62) or y.max() > 2**62):  # int64 would wrap
+        raise DataError(
+            f"{where}: labels out of range: {name} holds class ids in "
+            f"[{y.min()}, {y.max()}], beyond any number of classes"
+        )
     return y.astype(np.int64)
 
 
@@ -250,6 +263,10 @@ def _finish(x_train, y_train, x_test, y_test, num_classes, source, where):
             )
         if x.shape[0] == 0:
             raise DataError(f"{where}: {name} is empty")
+        if math.prod(x.shape[1:]) == 0:
+            raise DataError(
+                f"{where}: {name}'s examples have shape {x.shape[1:]}: no values"
+            )
     y_train = _labels("y_train", np.asarray(y_train), where)
     y_test = _labels("y_test", np.asarray(y_test), where)
     if len(x_train) != len(y_train):
@@ -266,11 +283,16 @@ def _finish(x_train, y_train, x_test, y_test, num_classes, source, where):
             f"{where}: x_train examples have shape {x_train.shape[1:]} but x_test "
             f"examples have shape {x_test.shape[1:]}"
         )
-    x_train = x_train.astype(np.float32)
-    x_test = x_test.astype(np.float32)
     for name, x in (("x_train", x_train), ("x_test", x_test)):
         if not np.all(np.isfinite(x)):
             raise DataError(f"{where}: {name} holds NaN or infinite values")
+        if np.abs(x).max() > np.finfo(np.float32).max:
+            raise DataError(
+                f"{where}: {name} holds values up to {np.abs(x).max():g} in "
+                "magnitude, beyond float32's range (the model computes in float32)"
+            )
+    x_train = x_train.astype(np.float32)
+    x_test = x_test.astype(np.float32)
     if num_classes is None:
         num_classes = max(int(max(y_train.max(), y_test.max())) + 1, 2)
         if num_classes > MAX_CLASSES:

@@ -73,7 +73,10 @@ def resolve_batch_size(batch_size, num_train, key):
 def check_warmup(schedule_config, steps_per_epoch, epochs):
     """Refuses a warm-up that leaves no step to decay over."""
     total_steps = steps_per_epoch * epochs
-    warmup_steps = int(round(schedule_config["warmup_epochs"] * steps_per_epoch))
+    # At most the run (a larger warm-up is refused below): 1e308 epochs of
+    # steps would overflow the int.
+    warmup_epochs = min(schedule_config["warmup_epochs"], epochs)
+    warmup_steps = int(round(warmup_epochs * steps_per_epoch))
     if total_steps - warmup_steps < 1:
         raise ConfigError(
             "`schedule.warmup_epochs` must be less than the number of epochs "
@@ -507,7 +510,9 @@ def _resumes(config, overwrite, command="study"):
 
 
 def check_lowcomm(config):
-    """Refuses empty or out-of-domain search ranges and repeated speeds names."""
+    """Refuses empty or out-of-domain search ranges, repeated units (a
+    number of workers, an H, a method, a speeds name) and an H longer than
+    the run."""
     search = config["search"]
     _check_ranges(
         (f"search.{name}", search[name], True, top)
@@ -515,6 +520,16 @@ def check_lowcomm(config):
                           ("outer_one_minus_momentum", 1.0))
     )  # fmt: skip
     _check_unique("speeds.*.name", [profile["name"] for profile in config["speeds"]])
+    for key in ("workers", "sync_every", "methods"):
+        _check_unique(key, config[key])
+    steps = config["training"]["steps"]
+    if max(config["sync_every"]) > steps:
+        raise ConfigError(
+            f"`sync_every` must hold at most `training.steps` ({steps}) inner steps "
+            f"per exchange, or no exchange runs. Received: sync_every="
+            f"{config['sync_every']!r}",
+            key="sync_every",
+        )
 
 
 def lowcomm_data(config):

@@ -828,7 +828,8 @@ def run(config, data=None, folder=None, overwrite=False):
     trial = trial_from_config(config, data, sizes[1], distribution.strategy)
     if distribution.exchange is not None:
         block = _strategy_block(config, "diloco")
-        trial["optimizer"] = _diloco(block, trial["optimizer"])
+        epochs = config["training"]["epochs"]
+        trial["optimizer"] = _diloco(block, trial, epochs)
     if distribution.coordinator is not None:
         trial["optimizer"] = _agn(_strategy_block(config, "agn"), trial, distribution)
     if not distribution.chief:
@@ -1042,10 +1043,20 @@ def _strategy_block(config, name):
     return default_config("train")["distribute"][name] if block is None else block
 
 
-def _diloco(block, inner):
-    """`tf_lars.DiLoCo` around the configured optimizer, from `distribute.diloco`."""
+def _diloco(block, trial, epochs):
+    """`tf_lars.DiLoCo` around the trial's optimizer, from `distribute.diloco`."""
     from tf_lars.cli.config import optimizer_from_block
 
+    steps, period = trial["steps_per_epoch"], block["sync_every"]
+    if period > steps * epochs:
+        # No outer step would run: the model would end where it started.
+        raise ConfigError(
+            "`distribute.diloco.sync_every` must be at most the steps each worker "
+            f"runs ({steps} per epoch x {epochs} epochs), or no outer step runs. "
+            f"Received: distribute.diloco.sync_every={period}",
+            key="distribute.diloco.sync_every",
+        )
+    inner = trial["optimizer"]
     outer = optimizer_from_block(
         block["outer_optimizer"], key="distribute.diloco.outer_optimizer"
     )
