@@ -30,12 +30,12 @@ RUN_FILES = {
         "tensorboard", "INTERRUPTED", "backup",
     ),
     "study": (
-        "config.yaml", "study.db", "results.json", "results.csv", "report.md",
-        "steps.png", "curves.png", "INTERRUPTED",
+        "config.yaml", "study.db", "study.db-wal", "study.db-shm", "results.json",
+        "results.csv", "report.md", "steps.png", "curves.png", "INTERRUPTED",
     ),
     "lowcomm": (
-        "config.yaml", "study.db", "results.json", "table.md", "report.md",
-        "lowcomm.png", "INTERRUPTED",
+        "config.yaml", "study.db", "study.db-wal", "study.db-shm", "results.json",
+        "table.md", "report.md", "lowcomm.png", "INTERRUPTED",
     ),
 }  # fmt: skip
 INTERRUPTED_NOTE = "INTERRUPTED"

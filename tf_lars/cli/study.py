@@ -9,6 +9,7 @@ asks (`_claimed`). Worker processes each run many trials (one TensorFlow start).
 """
 
 import concurrent.futures
+import contextlib
 import csv
 import functools
 import hashlib
@@ -19,6 +20,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sqlite3
 import time
 import warnings
 
@@ -106,6 +108,14 @@ def open_storage(url):
         sqlalchemy.event.listen(storage.engine, "begin", begin)
         storage.engine.dispose()  # the connections made before it
     return storage
+
+
+def checkpoint(url):
+    """Moves a SQLite storage's write-ahead log into its file, so that the
+    file alone holds every trial (copied, or read by another program)."""
+    if url.startswith("sqlite:///"):
+        with contextlib.closing(sqlite3.connect(url[10:], timeout=60)) as database:
+            database.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 # ------------------------------------------------------------------ trials
@@ -348,13 +358,18 @@ def _objective(plan, config, unit, budget, rerun):
     import optuna
 
     def objective(trial):
-        _stop_point()  # inside the trial: Optuna records it as failed
-        tuning, seed = trial.study, trial.user_attrs.get("seed")
-        if (rerun and seed is None) or not _claimed(tuning, trial, budget, seed):
-            tuning.stop()  # the budget is spent (or running elsewhere)
-            raise optuna.TrialPruned("over budget")
-        seed = config["seed"] if seed is None else seed
-        result, value = plan.evaluate(config, unit, trial, seed, rerun)
+        try:
+            _stop_point()  # inside the trial: Optuna records it as failed
+            tuning, seed = trial.study, trial.user_attrs.get("seed")
+            if (rerun and seed is None) or not _claimed(tuning, trial, budget, seed):
+                tuning.stop()  # the budget is spent (or running elsewhere)
+                raise optuna.TrialPruned("over budget")
+            seed = config["seed"] if seed is None else seed
+            result, value = plan.evaluate(config, unit, trial, seed, rerun)
+        except KeyboardInterrupt:
+            # A stop, not a failure: Optuna would log the trial's traceback.
+            optuna.logging.set_verbosity(optuna.logging.ERROR)
+            raise
         trial.set_user_attr("result", result)  # one write
         return value
 
@@ -846,7 +861,10 @@ def run_units(command, config, data, folder, limit, what, out, keep):
                      "wall": time.perf_counter() - started}  # fmt: skip
     try:
         execute(config, *data, url, workers, command)
+        checkpoint(url)
     except KeyboardInterrupt as interrupt:
+        with contextlib.suppress(sqlite3.Error):
+            checkpoint(url)
         done, total = count_trials(open_storage(url), config, command)
         # The note first: a second Ctrl-C while the results are written
         # (each file whole or not at all) leaves it.
