@@ -406,6 +406,45 @@ def test_checkpoint_restores_and_continues_bit_identically(name, tmp_path):
         np.testing.assert_array_equal(_numpy(a), _numpy(b), err_msg=a.path)
 
 
+# ------------------------------------------------ a callable learning rate
+_ONE_STEP = {"exclude_from_layer_adaptation": ["."]}  # T = 1
+#: Each class with a plain callable learning rate, built so that a step is
+#: `lr * g` (LAMB's with b1 = b2 = 0 and no epsilon: `lr * sign(g)`).
+CALLABLE_RATE = {
+    "LARS": lambda lr: tf_lars.LARS(lr, momentum=0.0, **_ONE_STEP),
+    "TrustRatio": lambda lr: tf_lars.TrustRatio(keras.optimizers.SGD(lr), **_ONE_STEP),
+    "LAMB": lambda lr: tf_lars.LAMB(
+        lr, beta_1=0.0, beta_2=0.0, epsilon=0.0, **_ONE_STEP
+    ),
+    "LossScaleOptimizer": lambda lr: tf_lars.LossScaleOptimizer(
+        tf_lars.TrustRatio(keras.optimizers.SGD(lr), **_ONE_STEP), dynamic=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLE_RATE))
+def test_a_callable_learning_rate_is_read_at_every_eager_step(name):
+    # TensorFlow's compiled eager apply would freeze the value it returned
+    # when traced: TrustRatio, LAMB and a loss scale around them kept
+    # stepping at the first rate (the wrapper's own rate was checked, not
+    # the inner optimizer's).
+    rates = iter([1.0, 0.0, 0.5])
+    current = {"lr": next(rates)}
+    optimizer = CALLABLE_RATE[name](lambda: current["lr"])
+    variable = keras.Variable(np.zeros(3), dtype="float32")
+    grad = np.array([1.0, 2.0, 4.0], "float32")
+    scale = getattr(optimizer, "initial_scale", 1.0)  # the fixed loss scale
+    step = np.sign(grad) if name == "LAMB" else grad
+    expected = np.zeros(3)
+    for _ in range(3):
+        optimizer.apply([keras.ops.convert_to_tensor(grad * scale)], [variable])
+        expected -= current["lr"] * step
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(variable), expected, rtol=1e-6
+        )
+        current["lr"] = next(rates, 0.0)
+
+
 # ---------------------------------------------------------- naming, tuples
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_default_name_is_numbered_like_keras_optimizers(name):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+import tf_lars
 from tests import diloco_reference as reference
 from tf_lars.diloco import (
     DiLoCo,
@@ -442,6 +443,20 @@ BAD_ARGUMENTS = [
         "`inner_optimizer.learning_rate` must be finite",
     ),
     ({"compression": "int2"}, "`compression` must be one of [None, 'bfloat16', "),
+    # `sync_every` counts `apply` calls (the same on every worker, a skipped
+    # non-finite step included): an accumulating inner optimizer would end a
+    # round inside an accumulation.
+    (
+        {
+            "inner_optimizer": tf_lars.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+            )
+        },
+        "`inner_optimizer` must not accumulate gradients: `sync_every` counts "
+        "DiLoCo's `apply` calls, and a round ending inside an accumulation would "
+        "carry its partial gradient past the outer step (give the k micro-batches "
+        "as one batch). Received: SGD(gradient_accumulation_steps=2)",
+    ),
     ({"granularity": "column"}, "Received: granularity='column'"),
     ({"error_feedback": True}, "Received: error_feedback=True, compression=None"),
     ({"error_feedback": 1, "compression": "int8"}, "Received: error_feedback=1"),

@@ -597,24 +597,6 @@ def test_update_step_accepts_keras_variables_directly():
         np.testing.assert_allclose(variable.numpy(), want, rtol=1e-10)
 
 
-def test_callable_learning_rate_is_read_at_every_eager_step():
-    rates = iter([1.0, 0.0, 0.5])
-    current = {"lr": next(rates)}
-    optimizer = tf_lars.LARS(
-        learning_rate=lambda: current["lr"],
-        momentum=0.0,
-        exclude_from_layer_adaptation=["."],  # T = 1: steps are lr * g
-    )
-    variable = keras.Variable(np.zeros(3), dtype="float32")
-    grad = tf.constant([1.0, 2.0, 4.0])
-    expected = np.zeros(3)
-    for _ in range(3):
-        optimizer.apply([grad], [variable])
-        expected -= current["lr"] * grad.numpy()
-        np.testing.assert_allclose(variable.numpy(), expected, rtol=1e-6)
-        current["lr"] = next(rates, 0.0)
-
-
 def test_numpy_scalars_are_accepted_where_floats_are():
     optimizer = tf_lars.LARS(
         learning_rate=np.float32(0.5),

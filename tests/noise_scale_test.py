@@ -142,6 +142,33 @@ def test_weights_equal_the_inner_optimizer_alone(inner):
         assert not np.allclose(wrapped, start)
 
 
+def test_the_inner_moving_average_becomes_the_weights():
+    # What `fit` calls at its end, `finalize_variable_values`, reaches the
+    # inner optimizer (before, the wrapper passed it on to none, and `fit`
+    # ended on the raw weights). The inner optimizer alone takes the mean of
+    # each 3 micro-batches (Keras's own accumulation would also update the
+    # average at every micro-batch).
+    weights, grads = harness.random_problem("float32", [(4, 3), (3,)], steps=9)
+    means = [
+        [np.mean([g[i] for g in grads[k : k + 3]], axis=0) for i in range(2)]
+        for k in range(0, 9, 3)
+    ]
+    results = []
+    for wrapped in (False, True):
+        inner = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
+        optimizer = noise_scale(inner, steps=3) if wrapped else inner
+        variables = [keras.Variable(w) for w in weights]
+        step = harness.step_function(optimizer, variables, MODE)
+        for step_grads in grads if wrapped else means:
+            step([ops.convert_to_tensor(g) for g in step_grads])
+        raw = [ops.convert_to_numpy(v) for v in variables]
+        optimizer.finalize_variable_values(variables)
+        results.append([ops.convert_to_numpy(v) for v in variables])
+        assert not np.allclose(results[-1][0], raw[0])  # the average, not w
+    for wrapped, own in zip(results[1], results[0], strict=True):
+        np.testing.assert_allclose(wrapped, own, rtol=1e-6, atol=1e-7)
+
+
 def test_measures_the_unscaled_gradients_inside_a_loss_scale():
     rng = np.random.default_rng(3)
     gradients = rng.normal(size=(4, 3)).astype("float32")

@@ -233,11 +233,15 @@ def test_learning_rate_is_the_inner_optimizers():
         (lambda: tf_lars.TrustRatio(tf_lars.LARS()), "Received: inner_optimizer="),
         (
             lambda: tf_lars.TrustRatio(keras.optimizers.AdamW(weight_decay=0.1)),
+            "`inner_optimizer.weight_decay` must be unset: set `weight_decay` on the "
+            "TrustRatio (its weight decay sits inside the ratio). Received: "
             "inner_optimizer.weight_decay=0.1",
         ),
-        (
+        (  # not the weight decay's reason (given for every argument before)
             lambda: tf_lars.TrustRatio(keras.optimizers.SGD(clipnorm=1.0)),
-            "inner_optimizer.clipnorm=1.0",
+            "`inner_optimizer.clipnorm` must be unset: set `clipnorm` on the "
+            "TrustRatio (it applies it around the whole step, the ratio included). "
+            "Received: inner_optimizer.clipnorm=1.0",
         ),
         (
             lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), weight_decay=-1.0),

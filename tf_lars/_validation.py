@@ -283,9 +283,14 @@ def check_inner_optimizer(inner_optimizer):
     for argument in _OUTER_ARGUMENTS:
         value = getattr(inner_optimizer, argument, None)
         if value not in (None, 0, 0.0):
+            why = (
+                "its weight decay sits inside the ratio"
+                if argument == "weight_decay"
+                else "it applies it around the whole step, the ratio included"
+            )
             raise ValueError(
                 f"`inner_optimizer.{argument}` must be unset: set `{argument}` "
-                "on the TrustRatio (its weight decay sits inside the ratio). "
+                f"on the TrustRatio ({why}). "
                 f"Received: inner_optimizer.{argument}={value!r}"
             )
     base = keras.optimizers.Optimizer

@@ -224,6 +224,18 @@ def _check_arguments(inner_optimizer, outer_optimizer, kwargs):
                 f"{argument}_optimizer={value!r}"
             )
     check_inner_learning_rate(inner_optimizer)
+    optimizer = inner_optimizer
+    while optimizer is not None:  # the inner optimizer and those it wraps
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "`inner_optimizer` must not accumulate gradients: `sync_every` "
+                "counts DiLoCo's `apply` calls, and a round ending inside an "
+                "accumulation would carry its partial gradient past the outer "
+                "step (give the k micro-batches as one batch). Received: "
+                f"{type(optimizer).__name__}(gradient_accumulation_steps={steps!r})"
+            )
+        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")

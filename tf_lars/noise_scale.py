@@ -170,6 +170,11 @@ class GradientNoiseScale(
         norm_squared = self.gradient_norm_squared
         return self.trace_covariance / norm_squared if norm_squared else math.nan
 
+    def finalize_variable_values(self, var_list):
+        """The inner optimizer's (its moving average of the weights, if any,
+        becomes the weights), as at the end of `fit`."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+
     def apply(self, grads, trainable_variables=None):
         """Adds this micro-batch's `|g|²`, then Keras's `apply`."""
         grads = [gradient_as_tensor(g) for g in grads]

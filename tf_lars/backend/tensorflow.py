@@ -335,12 +335,17 @@ class CompiledApply:
     def _should_compile_apply(self):
         if not self.jit_compile or not tf.executing_eagerly():
             return False
-        learning_rate = _internals.learning_rate_setting(self)
-        if callable(learning_rate) and not isinstance(
-            learning_rate,
-            keras.Variable | keras.optimizers.schedules.LearningRateSchedule,
-        ):
-            return False
+        # A plain callable rate, this optimizer's or one it wraps (TrustRatio's
+        # and LAMB's is their inner optimizer's), is read at every step.
+        optimizer = self
+        while optimizer is not None:
+            learning_rate = _internals.learning_rate_setting(optimizer)
+            if callable(learning_rate) and not isinstance(
+                learning_rate,
+                keras.Variable | keras.optimizers.schedules.LearningRateSchedule,
+            ):
+                return False
+            optimizer = getattr(optimizer, "inner_optimizer", None)
         if tf.distribute.has_strategy():
             if tf.distribute.get_strategy().num_replicas_in_sync > 1:
                 return False
