@@ -86,6 +86,13 @@ def test_nqm_study_matches_the_closed_form_at_every_batch_size(tmp_path, run_cli
         assert (tmp_path / "nqm" / name).stat().st_size > 500, name
     report = (tmp_path / "nqm" / "report.md").read_text()
     assert "B_crit" in report and "16 quasi-random trials" in report
+    # Nothing searched but the rate (", ." before); the NQM's steps are exact
+    # (the report spoke of evaluations every 10 steps); the curves' last
+    # point once (it was doubled).
+    assert "(log-uniform, per\noptimizer). A trial's steps: the first step at" in report
+    assert "(200\nresamples: each one fits again)" in report
+    for row in results["rows"]:
+        assert row["curve"][-1] != row["curve"][-2], row["batch_size"]
 
 
 def test_fit_recovers_known_scaling_from_synthetic_data():

@@ -121,6 +121,23 @@ def test_train_history_is_finite_and_loss_falls(tiny_run):
     np.testing.assert_allclose(history["learning_rate_at_epoch_end"], want, rtol=1e-5)
 
 
+def test_a_diverged_run_names_its_epoch_as_history_json_counts(tmp_path, run_cli):
+    code, out, err = run_cli(
+        "train", *TINY_TRAIN, "--set", f"output_dir={tmp_path}", "--set", "run_name=d",
+        "--set", "optimizer={class_name: SGD, config: {learning_rate: 1.0e+12}}",
+        "--set", "schedule.name=none", "--set", "training.epochs=3",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (
+        "Training DIVERGED: the loss became NaN/inf in epoch 1; stopped there." in out
+    )
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    history = json.loads((tmp_path / "d" / "history.json").read_text())
+    # 1-based, as history.json's epochs and the printed line (it was 0).
+    assert summary["diverged"] is True and summary["diverged_epoch"] == 1
+    assert history["epoch"] == [1] and summary["epochs_run"] == 1
+
+
 def test_train_summary_stdout_and_saved_model_agree(tiny_run, capsys):
     _, run_dir, _ = tiny_run
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -388,6 +405,10 @@ BAD_CONFIG = [
      "`training.epochs` must be an int >= 1. Received: training.epochs='ten'"),
     (["--set", "training.epochs=true"], "Received: training.epochs=True"),
     (["--set", "training.epochs=0"], "Received: training.epochs=0"),
+    (["--set", "run_name=2020-01-01"], "or null (YAML read this value as a date: "
+     "quote it to give it as text). Received: run_name=datetime.date(2020, 1, 1)"),
+    (["--set", "data={1: 2}"], "Config keys must be strings: `data` has the key 1 "
+     "(quote it to give it as text)"),
     (["--set", "training.batch_size=half"],
      "`training.batch_size` must be an int >= 1 or 'full'"),
     (["--set", "data.test_fraction=1.5"],

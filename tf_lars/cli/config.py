@@ -553,6 +553,14 @@ def _field(model, loc):
 def _message(model, error):
     """A pydantic error as `(message, dotted key)`."""
     key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "invalid_key":  # `1: 2` or `true: 1`
+        parent = key.rpartition(".")[0]
+        where = f"`{parent}`" if parent else "the config"
+        return (
+            f"Config keys must be strings: {where} has the key {error['input']!r} "
+            "(quote it to give it as text)",
+            parent or None,
+        )
     if error["type"] == "extra_forbidden":
         parent = key.rpartition(".")[0]
         where = f"`{parent}`" if parent else "the config"
@@ -568,6 +576,10 @@ def _message(model, error):
     rule = getattr(field, "description", None) or f"must be {_rule(kind)}"
     if error["type"] == "less_than_equal" and error["ctx"]["le"] == MAX_COUNT:
         rule = f"must be at most {MAX_COUNT} (2**31 - 1)"
+    if error["type"] == "string_type" and not isinstance(error["input"], dict | list):
+        # `run_name: 2020-01-01` is a date in YAML, `123` an int.
+        kind = type(error["input"]).__name__
+        rule += f" (YAML read this value as a {kind}: quote it to give it as text)"
     return f"`{key}` {rule}. Received: {key}={error['input']!r}", key
 
 
@@ -578,8 +590,10 @@ def validate_config(command, config):
         # Unset: only an optimizer block's `module` and `registered_name`.
         return model.model_validate(config).model_dump(exclude_unset=True)
     except pydantic.ValidationError as error:
-        # A misspelt key explains the errors of the key it meant: first.
-        first = min(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        # A misspelt (or non-string) key explains the errors of the key it
+        # meant: first.
+        unknown = ("extra_forbidden", "invalid_key")
+        first = min(error.errors(), key=lambda e: e["type"] not in unknown)
         raise ConfigError(*_message(model, first)) from None
 
 

@@ -350,7 +350,9 @@ def evaluate(config, unit, trial, seed, rerun):
     )  # fmt: skip
     curve = result["curve"]
     every = max(1, len(curve) // 200)
-    result["curve"] = [list(p) for p in curve[::every]] + [list(curve[-1])]
+    kept = list(range(0, len(curve), every))  # at most ~200 points, the last
+    kept += [len(curve) - 1] if kept[-1] != len(curve) - 1 else []
+    result["curve"] = [list(curve[i]) for i in kept]
     return result, _value(config, result)
 
 
@@ -682,8 +684,8 @@ Workload: {workload}. Target: {metric} {sign} {study[target]:g} on {split}.
 
 Protocol: per optimizer and batch size, {study[trials]} quasi-random trials (Optuna
 QMCSampler, scrambled Sobol, seed {seed}) over: learning rate (log-uniform, per
-optimizer), {space}. A trial's steps: the first evaluation (every {study[eval_every]}
-steps) at the target, capped at {cap}; one that never reaches it counts as not reached,
+optimizer){space}. A trial's steps: {first_at} at the target, capped at {cap}; one that
+never reaches it counts as not reached,
 and a trial stops once it passes the unit's fewest steps so far without reaching it (it
 can no longer be selected; trials_reached counts the trials that reached first).
 Schedule: linear warm-up, then {schedule}. The trial with the fewest steps is rerun on
@@ -696,8 +698,8 @@ E_min / S_min; the critical batch is the largest within {slack:.0%} of perfect s
 from the smallest batch. B_simple: the gradient noise scale measured in the reruns
 (tf_lars.GradientNoiseScale over two micro-batches of half the batch: its moving average
 at a rerun's end; per unit the mean over the seeds, per optimizer the median over the
-batch sizes), beside B_crit. Intervals: bootstrap over the seeds. Trials:
-{url}.
+batch sizes), beside B_crit. Intervals: bootstrap over the seeds ({fit_resamples}
+resamples: each one fits again). Trials: {url}.
 
 Time: {prepare:.0f} s preparing (the data, the checks, TensorFlow's start), {wall:.0f} s
 running the trials on {workers} worker process(es): {tuning:.0f} s in tuning trials and
@@ -744,7 +746,10 @@ def report(config, rows, fits, url, times):
         sign="<=" if nqm_workload else ">=", seed=config["seed"],
         split="its expectation (the NQM has no split)" if nqm_workload else
         f"the validation split ({config['validation_fraction']:g} of the training set)",
-        space=", ".join(f"{k} {v}" for k, v in config["search"].items() if v),
+        space="".join(f", {k} {v}" for k, v in config["search"].items() if v),
+        first_at="the first step" if nqm_workload else  # the NQM's loss is exact
+        f"the first evaluation (every {study['eval_every']} steps)",
+        fit_resamples=study["resamples"] // 10,
         cap="nqm.max_steps" if nqm_workload else "study.max_steps (whole epochs)",
         schedule=study["schedule"].replace("_", " "), first=config["seed"] + 1,
         last=config["seed"] + study["seeds"], slack=SCALING_SLACK - 1, url=url,

@@ -1256,7 +1256,10 @@ def _summary(data, distribution, sizes, result, learning_rates):
     return {
         **{key: _json_number(result[key]) for key in scores},
         "diverged": result["diverged"],
-        "diverged_epoch": result["diverged_epoch"],
+        # 1-based, as history.json's `epoch` and the printed line.
+        "diverged_epoch": (
+            None if result["diverged_epoch"] is None else result["diverged_epoch"] + 1
+        ),
         "epochs_run": len(result["history"].get("loss", [])),
         "batch_size": sizes[0],
         "global_batch_size": sizes[1],
