@@ -6,12 +6,14 @@ rate): mirrored on two logical CPUs in its own process, and two
 MultiWorkerMirroredStrategy workers started by the launcher.
 """
 
+import collections
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import types
 
 import keras
 import numpy as np
@@ -21,7 +23,7 @@ import yaml
 
 import tf_lars
 from tests.distribute_launch_helpers import LaunchedCluster, launcher_env
-from tf_lars.cli.config import ConfigError
+from tf_lars.cli.config import ConfigError, default_config
 from tf_lars.cli.main import main
 from tf_lars.cli.train import (
     describe_batches,
@@ -637,7 +639,10 @@ def test_a_restarted_job_resumes_its_own_run_from_its_backup(tmp_path, strategy)
         code = run.wait(300)
         output = run.output
     assert code == 0, output[-6000:]
-    assert "Restarted: this run goes on from its backup" in run.lines
+    assert (
+        "Restarted: this run goes on from its backup, if one was written (else "
+        "from the start)" in run.lines
+    )
     assert 2 <= int(resumed[1]) < 5
     run_dir = tmp_path / "runs" / "run"
     assert _summary(run_dir)["epochs_run"] == 5
@@ -818,3 +823,80 @@ def test_a_diloco_round_longer_than_the_run_is_refused():
         "(21 per epoch x 2 epochs), or no outer step runs. Received: "
         "distribute.diloco.sync_every=43"
     )
+
+
+def test_a_lost_parameter_server_is_one_line_status_3_and_a_note(
+    tmp_path, monkeypatch, run_cli
+):
+    # Before: a traceback and status 1 (which the launcher's docs and
+    # `run_main` give as 3, never restarted), and no INTERRUPTED note.
+    from tf_lars import distribute
+    from tf_lars.cli import train
+
+    lost = distribute.ParameterServerFailure(
+        "/job:ps/replica:0/task:0", "localhost:1", None, None, OSError("Socket closed")
+    )
+
+    class LostTrainer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self, rounds):
+            raise lost
+
+    monkeypatch.setattr(distribute, "ParameterServerTrainer", LostTrainer)
+    config = default_config("train")
+    data = collections.namedtuple("Data", "x_train y_train x_test y_test")(
+        *[np.zeros((4, 2), "float32"), np.zeros(4, "int32")] * 2
+    )
+    distribution = train.Distribution(None, "parameter_server", 2, 2, True, "chief 0")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    trial = {"model": model, "optimizer": types.SimpleNamespace(communication_period=1),
+             "steps_per_epoch": 2, "learning_rate": 0.1}  # fmt: skip
+    with pytest.raises(distribute.ParameterServerFailure):
+        train._train_parameter_server(config, data, distribution, trial, str(tmp_path))
+    note = (tmp_path / "INTERRUPTED").read_text()
+    assert note.startswith(
+        "Stopped (a parameter server of the cluster was lost: ParameterServerFailure) "
+        f"after 0 of {config['training']['epochs']} epochs."
+    )
+    assert lost.kept == f"the run folder {tmp_path} keeps INTERRUPTED (0 of 100 epochs)"
+
+    def run(*args):
+        raise lost
+
+    monkeypatch.setattr(train, "run", run)
+    code, _, err = run_cli("train", "--set", f"output_dir={tmp_path / 'runs'}")
+    assert code == 3
+    assert err == (
+        "tf-lars train: error: parameter server /job:ps/replica:0/task:0 "
+        "(localhost:1) is unavailable; training stopped. No checkpoint was written "
+        "yet (pass `checkpoint_dir`); a rerun starts from scratch. [OSError: Socket "
+        f"closed]; the run folder {tmp_path} keeps INTERRUPTED (0 of 100 epochs)\n"
+    )
+
+
+def test_a_resumed_runs_trust_ratios_hold_the_earlier_epochs():
+    # The monitor of a run resumed after epoch 2 starts empty: its files
+    # held epochs 3 to 5 only; the earlier epochs' ratios are history.json's.
+    from tf_lars.cli.train import trust_ratio_records
+
+    monitor = types.SimpleNamespace(
+        paths=["d/kernel", "d/bias"],
+        trust_ratios=np.array([[3.0, 30.0], [4.0, 40.0], [5.0, 50.0]], "float32"),
+        steps=[252, 336, 420],
+        epochs=[2, 3, 4],
+    )
+    history = {
+        "loss": [1.0] * 5,
+        "trust_ratio/d/kernel": [1.0, 2.0, 3.0, 4.0, 5.0],
+        "trust_ratio/d/bias": [10.0, 20.0, 30.0, 40.0, 50.0],
+    }
+    ratios, steps, epochs = trust_ratio_records(monitor, history, 84)
+    np.testing.assert_array_equal(ratios[:, 0], [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(ratios[:, 1], [10, 20, 30, 40, 50])
+    assert ratios.dtype == np.float32
+    assert steps == [84, 168, 252, 336, 420] and epochs == [0, 1, 2, 3, 4]
+    monitor.epochs, monitor.steps = [0, 1, 2], [84, 168, 252]  # not resumed
+    ratios, steps, epochs = trust_ratio_records(monitor, history, 84)
+    assert len(ratios) == 3 and steps == [84, 168, 252] and epochs == [0, 1, 2]

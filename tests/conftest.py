@@ -205,6 +205,8 @@ SECOND_TIER = {
         "test_bad_tf_config_is_one_line",
         "test_a_period_longer_than_an_epoch_is_refused",
         "test_a_diloco_round_longer_than_the_run_is_refused",
+        "test_a_lost_parameter_server_is_one_line_status_3_and_a_note",
+        "test_a_resumed_runs_trust_ratios_hold_the_earlier_epochs",
     },
     "distribute_diloco_test.py": {
         "test_one_worker_fit_and_backup_resume_in_one_process",

@@ -24,6 +24,7 @@ from tf_lars.cli import quiet_python_logs, set_tensorflow_log_level
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as shells report a SIGTERM
+EXIT_CLUSTER = 3  # a lost parameter server (tf_lars.distribute.run.EXIT_CLUSTER)
 # Top-level modules of the `cli` extra (pyproject.toml), which brings the
 # `tensorflow` extra too.
 _CLI_EXTRA = (
@@ -281,7 +282,8 @@ def main(argv=None):
         file of the run folder that cannot be written (a full disk), each
         with a one-line message on stderr; 130 after a Ctrl-C, 143 after a
         SIGTERM (0, and a line saying so, for one that came once the run
-        was complete: `run_finished`).
+        was complete: `run_finished`); 3, with one line, when a parameter
+        server was lost (`distribute.strategy=parameter_server`).
 
     Examples:
         >>> from tf_lars.cli.main import main
@@ -383,6 +385,15 @@ def _run(arguments):
             arguments.command,
             located_message(error, arguments.config, arguments.overrides),
         )
+    except Exception as error:
+        # A lost parameter server: one line and status 3, as `run_main` ends
+        # it (the launcher and schedulers do not restart it).
+        trainer = sys.modules.get("tf_lars.distribute.trainer")
+        if trainer is None or not isinstance(error, trainer.ParameterServerFailure):
+            raise
+        kept = getattr(error, "kept", "")
+        _error(arguments.command, " ".join(f"{error}; {kept}".split()).rstrip(";"))
+        return EXIT_CLUSTER
     finally:
         # The folder's lock ends with the run; a folder this run created and
         # left empty (refused before writing) is removed.

@@ -782,7 +782,9 @@ def _interrupted(folder, epochs_done, epochs, interrupt=None, lost=None):
     if lost is None:
         stopped = f"Interrupted ({interruption_name(interrupt)})"
     else:
-        stopped = f"Stopped (a worker of the cluster was lost: {type(lost).__name__})"
+        kind = type(lost).__name__
+        who = "a parameter server" if kind == "ParameterServerFailure" else "a worker"
+        stopped = f"Stopped ({who} of the cluster was lost: {kind})"
     note = (
         f"{stopped} after {epochs_done} of {epochs} epochs. "
         "config.yaml and history.json hold what finished; the model, summary "
@@ -858,7 +860,7 @@ def run(config, data=None, folder=None, overwrite=False):
     try:
         learning_rates, epochs_run = _learning_rates(result)
         files = _write_run_files(folder, result, learning_rates, epochs_run)
-        files += _write_trust_ratio_files(folder, config, monitor)
+        files += _write_trust_ratio_files(folder, config, monitor, result)
         # Last: a summary.json says that every other file is whole. The run
         # is then complete, and a signal from then on ends it with status 0
         # (held back while the file is written: it is not half an end).
@@ -906,7 +908,7 @@ def _open_run_folder(
     print(describe_batches(*sizes, distribution.replicas, num_train))
     print(f"Run folder: {folder}", flush=True)
     if earlier is not None:
-        print("Restarted: this run goes on from its backup", flush=True)
+        print("Restarted: this run goes on from its backup, if one was written (else from the start)", flush=True)
     return earlier
 
 
@@ -1104,7 +1106,7 @@ def _train_parameter_server(config, data, distribution, trial, folder):
     (rounded), then evaluates the center on the training and test sets:
     the epoch's `loss`/`accuracy` and `val_loss`/`val_accuracy`.
     """
-    from tf_lars.distribute import ParameterServerTrainer
+    from tf_lars import distribute
 
     training, model, optimizer = config["training"], trial["model"], trial["optimizer"]
     x, y, batch = data.x_train, data.y_train, training["batch_size"]
@@ -1116,7 +1118,7 @@ def _train_parameter_server(config, data, distribution, trial, folder):
 
     verbose = 0 if folder is None else training["verbose"]
     with deferred():
-        trainer = ParameterServerTrainer(
+        trainer = distribute.ParameterServerTrainer(
             model,
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             optimizer,
@@ -1157,6 +1159,12 @@ def _train_parameter_server(config, data, distribution, trial, folder):
     except KeyboardInterrupt as interrupt:
         done = len(history.get("loss", []))
         raise _interrupted(folder, done, epochs, interrupt) from None
+    except distribute.ParameterServerFailure as error:
+        # `tf_lars.cli.main` ends it in one line, status 3 (never restarted).
+        error.kept = str(
+            _interrupted(folder, len(history.get("loss", [])), epochs, lost=error)
+        )
+        raise
     payload, commits = fitted["bytes_per_commit"], fitted["commits"]
     return {
         "model": model,
@@ -1307,30 +1315,44 @@ def _write_run_files(folder, result, learning_rates, epochs_run):
     ]
 
 
-def _write_trust_ratio_files(folder, config, monitor):
+def trust_ratio_records(monitor, history, steps_per_epoch):
+    """`(ratios, steps, epochs)`: the monitor's records, after, for a run
+    resumed from its backup, one per epoch the earlier start ran (its
+    epoch-end ratios, kept in `history.json`; the monitor starts empty)."""
+    ratios, steps, epochs = monitor.trust_ratios, list(monitor.steps), monitor.epochs
+    first = epochs[0] if epochs else 0
+    keys = [f"trust_ratio/{path}" for path in monitor.paths]
+    if first and all(len(history.get(key, ())) >= first for key in keys):
+        earlier = np.array([[history[key][e] for key in keys] for e in range(first)])
+        ratios = np.concatenate([earlier.astype(ratios.dtype), ratios])
+        steps = [steps_per_epoch * (e + 1) for e in range(first)] + steps
+        epochs = list(range(first)) + list(epochs)
+    return ratios, steps, list(epochs)
+
+
+def _write_trust_ratio_files(folder, config, monitor, result):
     """The trust-ratio plot and arrays (LARS-like optimizers); their names."""
     from tf_lars.cli.plots import plot_trust_ratios
 
     files = []
     if monitor is not None and len(monitor.trust_ratios):
+        ratios, steps, epochs = trust_ratio_records(
+            monitor, result["history"], result["steps_per_epoch"]
+        )
         # The last record of each epoch.
-        epochs = monitor.epochs
         rows = [i for i, epoch in enumerate(epochs) if epochs[i + 1 : i + 2] != [epoch]]
         write_file(
             os.path.join(folder, "trust_ratio.png"),
             lambda path: plot_trust_ratios(
-                monitor.paths,
-                [epochs[i] + 1 for i in rows],
-                monitor.trust_ratios[rows],
-                path,
+                monitor.paths, [epochs[i] + 1 for i in rows], ratios[rows], path
             ),
         )
         write_file(
             os.path.join(folder, "trust_ratios.npz"),
             lambda path: np.savez(
                 path,
-                trust_ratios=monitor.trust_ratios,
-                steps=np.asarray(monitor.steps),
+                trust_ratios=ratios,
+                steps=np.asarray(steps),
                 epochs=np.asarray(epochs),
                 paths=np.asarray(monitor.paths),
             ),
