@@ -655,6 +655,10 @@ def test_a_restarted_job_resumes_its_own_run_from_its_backup(tmp_path, strategy)
     # The optimizer went on from the backup's state: every step of the run.
     optimizer = keras.models.load_model(run_dir / "model.keras").optimizer
     assert int(optimizer.iterations.numpy()) == 5 * STEPS
+    if strategy == "multi_worker":  # diloco writes none (each worker's own)
+        # The trust ratios of every epoch, the earlier start's included.
+        records = np.load(run_dir / "trust_ratios.npz")
+        assert sorted(set(records["epochs"].tolist())) == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
