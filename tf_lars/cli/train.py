@@ -908,7 +908,11 @@ def _open_run_folder(
     print(describe_batches(*sizes, distribution.replicas, num_train))
     print(f"Run folder: {folder}", flush=True)
     if earlier is not None:
-        print("Restarted: this run goes on from its backup, if one was written (else from the start)", flush=True)
+        print(
+            "Restarted: this run goes on from its backup, if one was written (else "
+            "from the start)",
+            flush=True,
+        )
     return earlier
 
 
