@@ -25,6 +25,23 @@ def test_steps_plot_is_log_log_with_the_fit_and_b_crit(tmp_path):
     assert (tmp_path / "steps.png").stat().st_size > 10_000
 
 
+def test_perfect_scaling_starts_at_the_smallest_reached_batch(tmp_path):
+    # As the critical batch does (the fit leaves out a batch not reached):
+    # the dotted line started at batch 8's cap before.
+    rows = [
+        _row("SGD", 8, 300, reached=False),
+        _row("SGD", 32, 120),
+        _row("SGD", 128, 40),
+    ]
+    fits = {"SGD": {"s_min": 20.0, "e_min": 3200.0, "b_crit": 160.0}}
+    figure = plots.plot_steps_to_result(rows, fits, tmp_path / "steps.png")
+    dotted = [
+        line for line in figure.axes[0].get_lines() if line.get_linestyle() == ":"
+    ]
+    assert len(dotted) == 1
+    assert list(dotted[0].get_ydata()) == [480.0, 120.0, 30.0]  # 120 x 32 / B
+
+
 def test_curves_plot_has_a_panel_per_optimizer(tmp_path):
     rows = [_row("LARS", 16, 50), _row("LAMB", 16, 40), _row("LAMB", 64, 20)]
     figure = plots.plot_selected_curves(

@@ -140,7 +140,8 @@ def plot_communication(rows, path):
 def plot_steps_to_result(rows, fits, path):
     """Steps to the target against batch size, log-log, per optimizer: the
     reruns' mean with its interval, the fit S_min + E_min/B, perfect scaling
-    from the smallest batch (dotted) and B_crit (a vertical line)."""
+    from the smallest batch the fit holds, one reached (dotted), and B_crit
+    (a vertical line)."""
     figure, axes = plt.subplots(figsize=(7, 5))
     for index, (label, fit) in enumerate(fits.items()):
         color = f"C{index}"
@@ -157,7 +158,11 @@ def plot_steps_to_result(rows, fits, path):
         )  # fmt: skip
         if (~reached).any():
             axes.plot(batches[~reached], steps[~reached], "x", color="red", ms=10)
-        axes.plot(batches, steps[0] * batches[0] / batches, ":", color=color)
+        if reached.any():  # as the critical batch: from the smallest reached
+            first = np.flatnonzero(reached)[0]
+            axes.plot(
+                batches, steps[first] * batches[first] / batches, ":", color=color
+            )
         if math.isfinite(fit["s_min"]):
             grid = np.geomspace(batches.min(), batches.max(), 100)
             axes.plot(grid, fit["s_min"] + fit["e_min"] / grid, "-", color=color)

@@ -693,9 +693,10 @@ Schedule: linear warm-up, then {schedule}. The trial with the fewest steps is re
 reach counts as the cap) with a {study[confidence]:.0%} percentile bootstrap interval
 ({study[resamples]} resamples). The test set is evaluated once, on the first rerun.
 
-Fit per optimizer: S(B) = S_min + E_min / B (least squares on relative error), B_crit =
-E_min / S_min; the critical batch is the largest within {slack:.0%} of perfect scaling
-from the smallest batch. B_simple: the gradient noise scale measured in the reruns
+Fit per optimizer, over the batch sizes whose every rerun reached the target:
+S(B) = S_min + E_min / B (least squares on relative error), B_crit = E_min / S_min; the
+critical batch is the largest within {slack:.0%} of perfect scaling from the smallest of
+them. B_simple: the gradient noise scale measured in the reruns
 (tf_lars.GradientNoiseScale over two micro-batches of half the batch: its moving average
 at a rerun's end; per unit the mean over the seeds, per optimizer the median over the
 batch sizes), beside B_crit. Intervals: bootstrap over the seeds ({fit_resamples}
