@@ -148,6 +148,13 @@ def building_loss_scale(optimizer):
     return None
 
 
+def wrapped_chain(optimizer):
+    """`optimizer`, then each optimizer it wraps (`inner_optimizer`), in turn."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
 def backing_variable(variable):
     """The `tf.Variable` behind a Keras variable (the strategy's
     `extended.update` needs it); a `tf.Variable` passes through."""

@@ -34,6 +34,7 @@ from tf_lars._wrapper import (
     BASE_ARGUMENT_DEFAULTS,
     refuse_outer_loss_scale,
     require_built,
+    wrapped_chain,
 )
 from tf_lars.schedules import check_step_count
 
@@ -224,8 +225,7 @@ def _check_arguments(inner_optimizer, outer_optimizer, kwargs):
                 f"{argument}_optimizer={value!r}"
             )
     check_inner_learning_rate(inner_optimizer)
-    optimizer = inner_optimizer
-    while optimizer is not None:  # the inner optimizer and those it wraps
+    for optimizer in wrapped_chain(inner_optimizer):
         steps = getattr(optimizer, "gradient_accumulation_steps", None)
         if steps:
             raise ValueError(
@@ -235,7 +235,6 @@ def _check_arguments(inner_optimizer, outer_optimizer, kwargs):
                 "step (give the k micro-batches as one batch). Received: "
                 f"{type(optimizer).__name__}(gradient_accumulation_steps={steps!r})"
             )
-        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 @keras.saving.register_keras_serializable(package="tf_lars")

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from tf_lars import _internals, _trust, lamb, lars, noise_scale, trust_ratio
 from tf_lars._validation import check_gradient_shapes
-from tf_lars._wrapper import backing_variable, gradient_as_tensor
+from tf_lars._wrapper import backing_variable, gradient_as_tensor, wrapped_chain
 from tf_lars.backend import like
 from tf_lars.backend._compiled import RecomputedNorm
 
@@ -337,15 +337,13 @@ class CompiledApply:
             return False
         # A plain callable rate, this optimizer's or one it wraps (TrustRatio's
         # and LAMB's is their inner optimizer's), is read at every step.
-        optimizer = self
-        while optimizer is not None:
+        for optimizer in wrapped_chain(self):
             learning_rate = _internals.learning_rate_setting(optimizer)
             if callable(learning_rate) and not isinstance(
                 learning_rate,
                 keras.Variable | keras.optimizers.schedules.LearningRateSchedule,
             ):
                 return False
-            optimizer = getattr(optimizer, "inner_optimizer", None)
         if tf.distribute.has_strategy():
             if tf.distribute.get_strategy().num_replicas_in_sync > 1:
                 return False
@@ -512,10 +510,12 @@ def observed_all_reduce(optimizer, observe):
     way leaves nothing observed, which `GradientNoiseScale` refuses
     (tests/mirrored_script.py, `noise_scale`, fails).
     """
-    while isinstance(optimizer, keras.optimizers.Optimizer):
-        if _ALL_REDUCE not in vars(optimizer):
+    for wrapped in wrapped_chain(optimizer):
+        if not isinstance(wrapped, keras.optimizers.Optimizer):
+            break
+        if _ALL_REDUCE not in vars(wrapped):
             reduce = _internals.private_member(
-                optimizer, _ALL_REDUCE, "GradientNoiseScale"
+                wrapped, _ALL_REDUCE, "GradientNoiseScale"
             )
 
             def observed(grads_and_vars, reduce=reduce):
@@ -525,8 +525,7 @@ def observed_all_reduce(optimizer, observe):
                     observer(list(grads_and_vars), reduced)
                 return reduced
 
-            optimizer.__dict__[_ALL_REDUCE] = observed
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+            wrapped.__dict__[_ALL_REDUCE] = observed
     outer = getattr(_OBSERVERS, "observe", None)
     _OBSERVERS.observe = observe
     try:

@@ -284,12 +284,13 @@ def _finish(x_train, y_train, x_test, y_test, num_classes, source, where):
             f"examples have shape {x_test.shape[1:]}"
         )
     for name, x in (("x_train", x_train), ("x_test", x_test)):
-        if not np.all(np.isfinite(x)):
+        peak = np.abs(x).max()  # NaN if any value is
+        if not np.isfinite(peak):
             raise DataError(f"{where}: {name} holds NaN or infinite values")
-        if np.abs(x).max() > np.finfo(np.float32).max:
+        if peak > np.finfo(np.float32).max:
             raise DataError(
-                f"{where}: {name} holds values up to {np.abs(x).max():g} in "
-                "magnitude, beyond float32's range (the model computes in float32)"
+                f"{where}: {name} holds values up to {peak:g} in magnitude, beyond "
+                "float32's range (the model computes in float32)"
             )
     x_train = x_train.astype(np.float32)
     x_test = x_test.astype(np.float32)

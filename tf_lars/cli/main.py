@@ -24,7 +24,6 @@ from tf_lars.cli import quiet_python_logs, set_tensorflow_log_level
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as shells report a SIGTERM
-EXIT_CLUSTER = 3  # a lost parameter server (tf_lars.distribute.run.EXIT_CLUSTER)
 # Top-level modules of the `cli` extra (pyproject.toml), which brings the
 # `tensorflow` extra too.
 _CLI_EXTRA = (
@@ -388,8 +387,9 @@ def _run(arguments):
     except Exception as error:
         # A lost parameter server: one line and status 3, as `run_main` ends
         # it (the launcher and schedulers do not restart it).
-        trainer = sys.modules.get("tf_lars.distribute.trainer")
-        if trainer is None or not isinstance(error, trainer.ParameterServerFailure):
+        from tf_lars.distribute.run import EXIT_CLUSTER, lost_parameter_server
+
+        if not lost_parameter_server(error):
             raise
         kept = getattr(error, "kept", "")
         _error(arguments.command, " ".join(f"{error}; {kept}".split()).rstrip(";"))

@@ -112,10 +112,13 @@ def open_storage(url):
 
 def checkpoint(url):
     """Moves a SQLite storage's write-ahead log into its file, so that the
-    file alone holds every trial (copied, or read by another program)."""
+    file alone holds every trial (copied, or read by another program). Best
+    effort: the trials are in the log meanwhile, and a reader finds them."""
     if url.startswith("sqlite:///"):
-        with contextlib.closing(sqlite3.connect(url[10:], timeout=60)) as database:
-            database.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        path = url.removeprefix("sqlite:///")
+        with contextlib.suppress(sqlite3.Error):
+            with contextlib.closing(sqlite3.connect(path, timeout=60)) as database:
+                database.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 # ------------------------------------------------------------------ trials
@@ -867,10 +870,7 @@ def run_units(command, config, data, folder, limit, what, out, keep):
                      "wall": time.perf_counter() - started}  # fmt: skip
     try:
         execute(config, *data, url, workers, command)
-        checkpoint(url)
     except KeyboardInterrupt as interrupt:
-        with contextlib.suppress(sqlite3.Error):
-            checkpoint(url)
         done, total = count_trials(open_storage(url), config, command)
         # The note first: a second Ctrl-C while the results are written
         # (each file whole or not at all) leaves it.
@@ -885,4 +885,6 @@ def run_units(command, config, data, folder, limit, what, out, keep):
             f"the run folder {folder} keeps {done} of {total} finished trials in "
             f"{url}{kept}; the same command resumes"
         ) from None
+    finally:
+        checkpoint(url)  # at the end and at a stop
     return url, times()

@@ -52,11 +52,17 @@ def run_main(main, *args, **kwargs):
     except TFConfigError as error:
         _fail(error, EXIT_CONFIG)
     except Exception as error:
-        trainer = sys.modules.get("tf_lars.distribute.trainer")
-        if trainer is not None and isinstance(error, trainer.ParameterServerFailure):
+        if lost_parameter_server(error):
             _fail(error, EXIT_CLUSTER)
         raise
     sys.exit(int(result or 0))
+
+
+def lost_parameter_server(error):
+    """Whether `error` is a `ParameterServerFailure` (without importing
+    TensorFlow: only a loaded trainer raises one)."""
+    trainer = sys.modules.get("tf_lars.distribute.trainer")
+    return trainer is not None and isinstance(error, trainer.ParameterServerFailure)
 
 
 def _fail(error, status):
