@@ -281,9 +281,35 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path):
     assert _error_lines(process.stderr) == [
         "tf-lars train: error: cannot write runs/r/model.keras: File too large"
     ]
+    # The scores are printed all the same (they were lost before 0.3.0).
+    assert "Final test accuracy: " in process.stdout
+    assert "Wrote " not in process.stdout
     # No truncated model, no summary claiming a finished run, no temporary.
     assert sorted(os.listdir(folder)) == ["config.yaml", "history.json"]
     assert json.loads((folder / "history.json").read_text())["epoch"] == [1]
+
+
+def test_a_study_storage_that_cannot_be_written_is_one_line(tmp_path):
+    limit = 150_000  # the storage is made, a trial's commit fails
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    process = _tf_lars(
+        ["study", "--quick", "--set", "study.batch_sizes=[8, 32]",
+         "--set", "study.trials=2", "--set", "study.seeds=1",
+         "--set", "study.workers=1", "--set", "run_name=r"],
+        tmp_path,
+        preexec_fn=limit_file_size,
+    )  # fmt: skip
+    # It was SQLAlchemy's and Optuna's tracebacks and status 1.
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr
+    assert _error_lines(process.stderr) == [
+        "tf-lars study: error: cannot write the trials in "
+        f"sqlite:///{tmp_path}/runs/r/study.db: disk I/O error"
+    ]
 
 
 # --------------------------------------------------------------- SIGTERM

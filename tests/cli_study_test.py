@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tf_lars.cli import study
-from tf_lars.cli.config import load_config
+from tf_lars.cli.config import ConfigError, load_config
 
 SGD_ONLY = [
     "--set",
@@ -536,3 +536,20 @@ def test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes(tmp_path):
                 t.user_attrs["seed"] for t in done.trials if t.state.name == "COMPLETE"
             ]
             assert sorted(seeds) == [1, 2, 3], (name, seeds)
+
+
+def test_the_report_is_printed_before_the_results_are_written(
+    tmp_path, run_cli, monkeypatch, one_line_error
+):
+    # A full disk at the end lost the report with the files (0.2.x).
+    def full_disk(folder, *args):
+        raise ConfigError(f"cannot write {folder}/results.csv: No space left on device")
+
+    monkeypatch.setattr(study, "_write_results", full_disk)
+    argv = (*_quick(tmp_path, "r"), *SGD_ONLY, "--set", "study.batch_sizes=[8]")
+    code, out, err = run_cli(*argv, "--set", "study.trials=1", "--set", "study.seeds=1")
+    assert one_line_error(code, err, "study").endswith(
+        f"{tmp_path}/r/results.csv: No space left on device"
+    )
+    assert "# Steps to result against batch size" in out
+    assert "Results in" not in out

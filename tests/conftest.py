@@ -270,6 +270,7 @@ SECOND_TIER_TESTS = {
     "cli_hostile_test.py": {
         "test_two_runs_started_together_with_one_name",
         "test_a_full_disk_is_one_line_and_leaves_no_partial_file",
+        "test_a_study_storage_that_cannot_be_written_is_one_line",
     },
     "cli_lowcomm_test.py": {
         "test_the_command_tunes_reruns_and_writes_the_report",

@@ -568,8 +568,10 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
         keep=lambda url, times: f" and the {len(write(url, times))} finished rows "
         "in table.md",
     )  # fmt: skip
-    rows = write(url, times)
+    rows = summarize(config, study.open_storage(url))
+    # The report before the files: a full disk (one line, status 2) keeps it.
     out(report(config, data[0], rows, times))
+    _write_results(folder, config, data[0], rows, times)
     out(f"Results in {folder}/ (report.md, table.md, results.json, lowcomm.png, "
         "config.yaml)")  # fmt: skip
     return 0

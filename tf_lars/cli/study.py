@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 
 from tf_lars.cli import STARTED, nqm, preflight
-from tf_lars.cli.config import dump_config
+from tf_lars.cli.config import ConfigError, dump_config
 
 _CONTEXT = {}  # a worker's config, data, validation split and storage URL
 _STOP = []  # the signal the parent sent this worker, once it came
@@ -108,6 +108,27 @@ def open_storage(url):
         sqlalchemy.event.listen(storage.engine, "begin", begin)
         storage.engine.dispose()  # the connections made before it
     return storage
+
+
+@contextlib.contextmanager
+def storage_errors(url):
+    """A storage that cannot be written (a full disk) as one line: Optuna's
+    error (or its assertion after a failed commit) has the database's in its
+    chain. In each worker, where the chain is whole (a pool's pickling loses
+    it)."""
+    import sqlalchemy
+
+    try:
+        yield
+    except Exception as error:
+        cause = None if isinstance(error, ConfigError) else error
+        while cause is not None and not isinstance(
+            cause, sqlalchemy.exc.OperationalError
+        ):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise ConfigError(f"cannot write the trials in {url}: {cause.orig}") from None
 
 
 def checkpoint(url):
@@ -457,19 +478,20 @@ def work(command, offset, progress=None):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     plan, config = importlib.import_module(command), _CONTEXT["config"]
-    storage, todo = open_storage(_CONTEXT["url"]), plan.units(config)
-    todo = todo[offset:] + todo[:offset]
     reported = progress or (lambda study, trial: None)
 
     def progress(study, trial):
         reported(study, trial)
         _stop_point()  # between trials
 
-    while todo:
-        todo = [u for u in todo if not advance(plan, storage, config, u, progress)]
-        if todo:
-            time.sleep(1.0)  # their trials run in other workers
-            _stop_point()
+    with storage_errors(_CONTEXT["url"]):
+        storage, todo = open_storage(_CONTEXT["url"]), plan.units(config)
+        todo = todo[offset:] + todo[:offset]
+        while todo:
+            todo = [u for u in todo if not advance(plan, storage, config, u, progress)]
+            if todo:
+                time.sleep(1.0)  # their trials run in other workers
+                _stop_point()
     return offset
 
 
@@ -837,7 +859,10 @@ def run(config, data=None, folder=None, overwrite=False, out=print):
         keep=lambda url, times: f" and the {len(write(url, times)[0])} finished "
         "rows in results.csv",
     )  # fmt: skip
-    out(report(config, *write(url, times), url, times))
+    rows, fits = summarize(config, open_storage(url))
+    # The report before the files: a full disk (one line, status 2) keeps it.
+    out(report(config, rows, fits, url, times))
+    _write_results(folder, config, rows, fits, url, times)
     out(f"Results in {folder}/ (report.md, results.csv, results.json, steps.png, "
         "curves.png, config.yaml)")  # fmt: skip
     return 0
@@ -869,7 +894,8 @@ def run_units(command, config, data, folder, limit, what, out, keep):
     times = lambda: {"prepare": started - STARTED, "workers": workers,  # noqa: E731
                      "wall": time.perf_counter() - started}  # fmt: skip
     try:
-        execute(config, *data, url, workers, command)
+        with storage_errors(url):
+            execute(config, *data, url, workers, command)
     except KeyboardInterrupt as interrupt:
         done, total = count_trials(open_storage(url), config, command)
         # The note first: a second Ctrl-C while the results are written

@@ -858,6 +858,8 @@ def run(config, data=None, folder=None, overwrite=False):
     )  # fmt: skip
     result, monitor = _train(config, data, distribution, trial, folder, earlier)
     try:
+        # The scores before the files: a full disk (one line, status 2) keeps them.
+        _print_scores(result)
         learning_rates, epochs_run = _learning_rates(result)
         files = _write_run_files(folder, result, learning_rates, epochs_run)
         files += _write_trust_ratio_files(folder, config, monitor, result)
@@ -875,7 +877,7 @@ def run(config, data=None, folder=None, overwrite=False):
         epochs_run = len(result["history"].get("loss", []))
         epochs = config["training"]["epochs"]
         raise _interrupted(folder, epochs_run, epochs, interrupt) from None
-    _print_result(folder, result, files)
+    print(f"Wrote {folder}/: {', '.join(files)}")
     return 0
 
 
@@ -1207,7 +1209,7 @@ class _TakeTheta(keras.callbacks.Callback):
             variable.assign(theta)
 
 
-def _print_result(folder, result, files):
+def _print_scores(result):
     print()
     if result["diverged"]:
         print(
@@ -1228,7 +1230,6 @@ def _print_result(folder, result, files):
             f"Communicated (this worker): {sent['outer_steps']} outer steps, "
             f"{sent['bytes_sent']:,} bytes sent, {sent['bytes_received']:,} received"
         )
-    print(f"Wrote {folder}/: {', '.join(files)}")
 
 
 def _trust_ratio_monitor(config, optimizer, folder):
