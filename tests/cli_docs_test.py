@@ -209,3 +209,16 @@ def test_readme_quickstart_time_says_what_was_measured():
         "`time tf-lars train` took 9.2 s to 14.9 s wall in five runs, TensorFlow's "
         "start-up included, on 2 idle CPU cores"
     ) in " ".join(quickstart.split())
+
+
+@pytest.mark.parametrize(
+    "command, example",
+    [("study", "study.trials=4"), ("lowcomm", "training.steps=300")],
+)
+def test_each_help_example_is_a_key_of_its_command(capsys, command, example):
+    # Both gave train's `training.epochs=20`, which they refuse.
+    assert _help_examples(capsys, command) == [f"--set {example}"]
+    key, value = example.split("=")
+    config = load_config(command, overrides=[example])
+    section, name = key.split(".")
+    assert config[section][name] == int(value)

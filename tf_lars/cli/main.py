@@ -71,6 +71,9 @@ def _parser():
             "intervals, bytes per worker, simulated time; a report, table and plot",
         ),
     ):
+        example = {"train": "training.epochs=20", "study": "study.trials=4"}.get(
+            name, "training.steps=300"
+        )
         command = commands.add_parser(name, help=help_text, description=help_text)
         command.add_argument(
             "--config",
@@ -83,7 +86,7 @@ def _parser():
             metavar="KEY=VALUE",
             action="append",
             default=[],
-            help="override one config key, e.g. --set training.epochs=20 "
+            help=f"override one config key, e.g. --set {example} "
             "(value parsed as YAML; repeatable)",
         )
         command.add_argument(
