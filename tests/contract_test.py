@@ -121,6 +121,29 @@ def test_apply_follows_the_numpy_reference(name, dtype, mode):
     _assert_ratios(optimizer, reference)
 
 
+#: Where a variable of no entries went through the norms op by op (JAX also
+#: compiled): TensorFlow's compiled eager apply and XLA took it already.
+ZERO_SIZE_MODES = {"jax": ["eager", "jit"]}.get(BACKEND, ["eager"])
+#: Keras's own RMSprop fails on TensorFlow there (`BiasAdd`: "Biases must be 1D").
+ZERO_SIZE_ROWS = [
+    name
+    for name in sorted(ROWS)
+    if not (BACKEND == "tensorflow" and name == "trust_ratio_rmsprop")
+]
+
+
+@pytest.mark.parametrize("mode", ZERO_SIZE_MODES)
+@pytest.mark.parametrize("name", ZERO_SIZE_ROWS)
+def test_a_variable_of_no_entries_steps_with_the_others(name, mode):
+    # A layer pruned to 0 units: its norm's range check took the max of no
+    # entries and failed (TensorFlow op by op, JAX and PyTorch; 0.2.x).
+    row = ROWS[name]
+    shapes = [(3,), (0, 4), (2, 3)]
+    weights, grads = _problem("float32", seed=3, shapes=shapes, steps=2)
+    _, variables = _run(row, weights, grads, "float32", mode)
+    _assert_close(variables, _reference(row, weights, grads), "float32", mode, row)
+
+
 def _assert_ratios(optimizer, reference):
     """The trust ratios each adaptive optimizer in the chain recorded equal
     the reference's of the last step (rows with `EXCLUDE`: 1 for the

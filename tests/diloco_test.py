@@ -493,16 +493,40 @@ def test_bad_calls_are_refused_naming_the_argument():
         worker.outer_step([np.zeros(2, "float32")], variables, fragment=0)
     with pytest.raises(ValueError, match="one variable list per worker. Received: 1"):
         simulate_sync([worker, worker], [variables])
-    # A variable of another shape would broadcast against theta: (3, 1) - (2,).
-    other = [keras.Variable(np.ones((2, 1), "float32"))] + variables[1:]
-    message = r"entry 0 must have shape \(2,\)\. Received: shape \(2, 1\)"
-    with pytest.raises(ValueError, match="`variables` must match.*" + message):
+    # A variable it was not built with (here of another shape, which would
+    # broadcast against theta: (3, 1) - (2,)) is refused; so is one twice.
+    other = [keras.Variable(np.ones((2, 1), "float32"), name="other")] + variables[1:]
+    message = "`variables` must be the 3 variables diloco was built with, each once"
+    with pytest.raises(
+        ValueError, match=message + r"\. Received: <Variable path=other"
+    ):
         worker.pseudo_gradient(other)
+    with pytest.raises(ValueError, match=message + r"\. Received: a variable twice"):
+        worker.outer_step([np.zeros(2, "float32")] * 3, [variables[0]] * 3)
     with pytest.raises(ValueError, match="`mean_pseudo_gradient` must match"):
         worker.outer_step([np.zeros((2, 1), "float32")] * 2, variables, fragment=0)
     too_many = DiLoCo(keras.optimizers.SGD(0.1), sync_every=4, num_fragments=4)
     with pytest.raises(ValueError, match=r"number of variables \(3\)\. Received"):
         too_many.build(variables)
+
+
+def test_variables_in_another_order_keep_their_own_theta():
+    # Keras's optimizers take their variables in any order; DiLoCo paired
+    # theta with them by position, and swapped a's and b's (0.2.x).
+    a = keras.Variable(np.zeros(2, "float32"))
+    b = keras.Variable(np.full(2, 10.0, "float32"))
+    worker = DiLoCo(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.5), sync_every=1)
+    worker.build([a, b])
+    one = ops.ones((2,))
+    worker.apply([one, 2 * one], [a, b])  # theta: 0 - 0.5 (0.1), 10 - 0.5 (0.2)
+    worker.apply_gradients([(2 * one, b), (one, a)])
+    for variable, want in ((a, -0.1), (b, 9.8)):
+        np.testing.assert_allclose(ops.convert_to_numpy(variable), [want] * 2, 1e-6)
+    theta = [ops.convert_to_numpy(t) for t in worker.global_variables]
+    np.testing.assert_allclose(theta, [[-0.1] * 2, [9.8] * 2], 1e-6)
+    # The exchange's own methods pair them the same way.
+    delta = worker.pseudo_gradient([b, a])
+    np.testing.assert_allclose(ops.convert_to_numpy(delta[0]), [0.0] * 2)
 
 
 def test_a_driver_refuses_a_worker_that_took_its_own_outer_step():
@@ -540,7 +564,16 @@ def test_the_guide_s_example_runs_as_pasted(capsys):
     assert lines[3] == "workers agree: True"
 
 
-def test_model_fit_takes_the_outer_step_every_h_steps_as_one_worker(tmp_path):
+# On TensorFlow also under XLA, where Keras builds the optimizer inside the
+# first compiled step: DiLoCo's copies of the weights could not be lifted out
+# of it (`UnimplementedError`, 0.2.x); a GPU's `jit_compile="auto"` is XLA.
+FIT_JIT = [False, True] if keras.backend.backend() == "tensorflow" else ["auto"]
+
+
+@pytest.mark.parametrize("jit_compile", FIT_JIT)
+def test_model_fit_takes_the_outer_step_every_h_steps_as_one_worker(
+    jit_compile, tmp_path
+):
     # On every backend: `model.fit` with a DiLoCo alone is one worker (M = 1):
     # an outer step (the paper's Nesterov SGD) every 3 inner steps, after
     # steps 3 and 6 of 8, as the NumPy reference takes them; a `.keras` file
@@ -553,7 +586,7 @@ def test_model_fit_takes_the_outer_step_every_h_steps_as_one_worker(tmp_path):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         initial = [np.array(w) for w in model.get_weights()]
-        model.compile(optimizer, "mse")
+        model.compile(optimizer, "mse", jit_compile=jit_compile)
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         return model, initial
 

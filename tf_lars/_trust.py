@@ -41,6 +41,8 @@ def sum_of_squares(tensor):
 def _rescaled_norm(tensor, squares_of=sum_of_squares):
     """`|x| = m * |x / m|` with `m = max |x_i|`: no square overflows or
     underflows, so the norm is right wherever it is representable."""
+    if math.prod(tensor.shape) == 0:  # no entries: no peak (`amax` fails)
+        return ops.sum(tensor)
     peak = ops.amax(ops.abs(tensor))
     peak = ops.where(peak > 0, peak, ops.ones_like(peak))
     return peak * ops.sqrt(squares_of(tensor / peak))
@@ -84,6 +86,8 @@ def _norm_groups(values):
 
 def _rescaled_norms(rows):
     """`_rescaled_norm` of each row of `rows` (`stacked`), as one vector."""
+    if rows.shape[1] == 0:  # rows of no entries: no peaks (`amax` fails)
+        return ops.sum(rows, axis=1)
     peaks = ops.amax(ops.abs(rows), axis=1)
     peaks = ops.where(peaks > 0, peaks, ops.ones_like(peaks))
     # Divided by sqrt(peak) twice: XLA turns a division by a broadcast into

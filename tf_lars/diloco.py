@@ -36,6 +36,7 @@ from tf_lars._wrapper import (
     require_built,
     wrapped_chain,
 )
+from tf_lars.backend import eagerly
 from tf_lars.schedules import check_step_count
 
 __all__ = [
@@ -371,18 +372,20 @@ class DiLoCo(keras.optimizers.Optimizer):
                 f"({len(variables)}). Received: num_fragments={self.num_fragments}"
             )
         super().build(variables)
-        self.global_variables = [
-            self.add_variable(
-                shape=variable.shape,
-                dtype=variable.dtype,
-                # A copy: on PyTorch a Variable would share the tensor.
-                initializer=lambda shape, dtype=None, v=variable: ops.cast(
-                    ops.copy(v), dtype or v.dtype
-                ),
-                name=f"global_{index}",
-            )
-            for index, variable in enumerate(variables)
-        ]
+        self.global_variables = eagerly(
+            lambda: [
+                self.add_variable(
+                    shape=variable.shape,
+                    dtype=variable.dtype,
+                    # A copy: on PyTorch a Variable would share the tensor.
+                    initializer=lambda shape, dtype=None, v=variable: ops.cast(
+                        ops.copy(v), dtype or v.dtype
+                    ),
+                    name=f"global_{index}",
+                )
+                for index, variable in enumerate(variables)
+            ]
+        )
         if self.error_feedback:
             self.errors = [
                 self.add_variable(shape=v.shape, dtype=v.dtype, name=f"error_{i}")
@@ -434,6 +437,7 @@ class DiLoCo(keras.optimizers.Optimizer):
             self.build(variables)
         self._check_length("variables", variables, len(self.global_variables))
         self.inner_optimizer.apply(grads, variables)
+        variables = self._in_build_order(variables)
         self.iterations.assign_add(1)
         if self.exchange == "local":
             self._local_outer_steps(variables)
@@ -562,13 +566,29 @@ class DiLoCo(keras.optimizers.Optimizer):
         return self.fragments[fragment]
 
     def _checked(self, variables):
-        """`variables` as a list, after building on them: one per `theta`,
-        each of its shape."""
+        """`variables` as a list in `theta`'s order, after building on them."""
         variables = list(variables)
         self.build(variables)
         self._check_length("variables", variables, len(self.global_variables))
-        self._check_shapes("variables", variables, range(len(variables)))
-        return variables
+        return self._in_build_order(variables)  # each of its `theta`'s shape
+
+    def _in_build_order(self, variables):
+        """`variables`, those `theta` copies in any order (as Keras's
+        optimizers take them), in `theta`'s order: found by identity."""
+        by_index = {}
+        for variable in variables:
+            try:
+                index = _internals.variable_index(self, variable)
+            except KeyError:
+                index = None
+            if index is None or index in by_index:
+                raise ValueError(
+                    f"`variables` must be the {len(variables)} variables "
+                    f"{self.name} was built with, each once. Received: "
+                    f"{'a variable twice' if index is not None else variable}"
+                )
+            by_index[index] = variable
+        return [by_index[i] for i in range(len(variables))]
 
     def _check_shapes(self, name, values, indices):
         """Refuses a tensor of another shape than its `theta` (which would

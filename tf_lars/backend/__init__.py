@@ -58,6 +58,19 @@ def like(public):
     return lambda cls: with_name_of(public, cls)
 
 
+def eagerly(function):
+    """`function()` outside any traced function: Keras may build an optimizer
+    inside the first traced train step, where XLA cannot lift a variable whose
+    initial value reads another variable (TensorFlow's `init_scope`; JAX and
+    PyTorch build outside their traces)."""
+    if keras.backend.backend() != "tensorflow":
+        return function()
+    import tensorflow as tf
+
+    with tf.init_scope():
+        return function()
+
+
 class BackendSubclass:
     """Mixin (first in the bases): construct the backend's subclass."""
 
