@@ -457,6 +457,17 @@ BAD_ARGUMENTS = [
         "carry its partial gradient past the outer step (give the k micro-batches "
         "as one batch). Received: SGD(gradient_accumulation_steps=2)",
     ),
+    ({"sync_period": 2}, "`sync_period` is not an argument of DiLoCo. Received"),
+    (  # it skipped every other outer step, and the round's progress with it
+        {"outer_optimizer": keras.optimizers.SGD(0.7, gradient_accumulation_steps=2)},
+        "`outer_optimizer.gradient_accumulation_steps` must be unset: the outer "
+        "optimizer takes one step a round, and the weights are reset to its "
+        "result. Received: outer_optimizer.gradient_accumulation_steps=2",
+    ),
+    (
+        {"outer_optimizer": keras.optimizers.SGD(0.7, use_ema=True)},
+        "Received: outer_optimizer.use_ema=True",
+    ),
     ({"granularity": "column"}, "Received: granularity='column'"),
     ({"error_feedback": True}, "Received: error_feedback=True, compression=None"),
     ({"error_feedback": 1, "compression": "int8"}, "Received: error_feedback=1"),

@@ -226,6 +226,12 @@ def test_keras_file_round_trip(tmp_path):
     assert int(ops.convert_to_numpy(loaded.optimizer.iterations)) == 4
 
 
+class _NoRate(keras.optimizers.SGD):  # as Keras's MultiOptimizer
+    @property
+    def learning_rate(self):
+        raise AttributeError("Learning rate cannot be accessed on a MultiOptimizer.")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -250,6 +256,11 @@ def test_keras_file_round_trip(tmp_path):
         (
             {"inner_optimizer": keras.optimizers.SGD(gradient_accumulation_steps=2)},
             "Received: inner_optimizer.gradient_accumulation_steps=2",
+        ),
+        (  # it failed at the first update, inside Keras's accumulation `cond`
+            {"inner_optimizer": _NoRate()},
+            "`inner_optimizer` must have a learning rate, read at every update "
+            "(Learning rate cannot be accessed on a MultiOptimizer.). Received: ",
         ),
     ],
 )

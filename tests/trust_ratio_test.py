@@ -226,6 +226,10 @@ def test_learning_rate_is_the_inner_optimizers():
     assert float(optimizer.inner_optimizer.learning_rate) == 0.5
 
 
+class _DecaysOutsideItsStep(keras.optimizers.SGD):
+    adam_weight_decay = 0.004  # Muon's default, applied in `_apply_weight_decay`
+
+
 @pytest.mark.parametrize(
     "make, fragment",
     [
@@ -242,6 +246,18 @@ def test_learning_rate_is_the_inner_optimizers():
             "`inner_optimizer.clipnorm` must be unset: set `clipnorm` on the "
             "TrustRatio (it applies it around the whole step, the ratio included). "
             "Received: inner_optimizer.clipnorm=1.0",
+        ),
+        (  # Muon (Keras 3.10+) decays outside `update_step`: it was dropped
+            lambda: tf_lars.TrustRatio(_DecaysOutsideItsStep()),
+            "`inner_optimizer.adam_weight_decay` must be 0: set `weight_decay` on "
+            "the TrustRatio (its weight decay sits inside the ratio). Received: "
+            "inner_optimizer.adam_weight_decay=0.004",
+        ),
+        (  # it was accepted, and climbed the loss with T = 1
+            lambda: tf_lars.TrustRatio(keras.optimizers.Adam(-0.1)),
+            "`inner_optimizer.learning_rate` must be >= 0: the trust ratio is 1 at "
+            "a rate of 0 and not defined below it. Received: inner_optimizer=Adam "
+            "with learning_rate=-0.1",
         ),
         (
             lambda: tf_lars.TrustRatio(keras.optimizers.SGD(), weight_decay=-1.0),

@@ -131,6 +131,17 @@ def check_outer_optimizer(outer_optimizer, inner_optimizer):
             "pseudo-gradient is a difference of weights, never scaled. "
             f"Received: outer_optimizer={outer_optimizer!r}"
         )
+    # It takes one step a round (a commit), and the weights are reset to its
+    # result: an accumulating step would leave them at the round's start, and
+    # an average of its variables would never be used.
+    for name, unset in (("gradient_accumulation_steps", None), ("use_ema", False)):
+        value = getattr(outer_optimizer, name, unset)
+        if value not in (unset, 0):
+            raise ValueError(
+                f"`outer_optimizer.{name}` must be unset: the outer optimizer "
+                "takes one step a round, and the weights are reset to its result. "
+                f"Received: outer_optimizer.{name}={value!r}"
+            )
     # A float32 variable in Keras (a schedule: its rate at step 0).
     value = np.float32(ops.convert_to_numpy(outer_optimizer.learning_rate))
     if not (np.isfinite(value) and value > 0):
@@ -307,6 +318,23 @@ def check_inner_optimizer(inner_optimizer):
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
     check_inner_learning_rate(inner_optimizer)
+    rate = getattr(inner_optimizer, "_learning_rate", None)
+    rate = float(rate.numpy()) if hasattr(rate, "numpy") and not callable(rate) else 0
+    if rate < 0:
+        raise ValueError(
+            "`inner_optimizer.learning_rate` must be >= 0: the trust ratio is 1 at "
+            "a rate of 0 and not defined below it. Received: inner_optimizer="
+            f"{type(inner_optimizer).__name__} with learning_rate={rate:.8g}"
+        )
+    # Muon decays its Adam-stepped variables in `_apply_weight_decay`, which
+    # the wrapper never runs (the decay sits inside the ratio instead).
+    decay = getattr(inner_optimizer, "adam_weight_decay", None)
+    if decay not in (None, 0, 0.0):
+        raise ValueError(
+            "`inner_optimizer.adam_weight_decay` must be 0: set `weight_decay` on "
+            "the TrustRatio (its weight decay sits inside the ratio). "
+            f"Received: inner_optimizer.adam_weight_decay={decay!r}"
+        )
     if getattr(inner_optimizer, "use_ema", False):
         raise ValueError(
             "`inner_optimizer.use_ema` must be False: set `use_ema` on the "

@@ -211,13 +211,18 @@ def _check_arguments(inner_optimizer, outer_optimizer, kwargs):
     (they belong on the inner optimizer; a config written by Keras carries
     them at their defaults)."""
     for key, value in kwargs.items():
-        if value != BASE_ARGUMENT_DEFAULTS.get(key, object()):
+        if key not in BASE_ARGUMENT_DEFAULTS:  # a misspelt argument, say
+            raise ValueError(
+                f"`{key}` is not an argument of DiLoCo. Received: {key}={value!r}"
+            )
+        if value != BASE_ARGUMENT_DEFAULTS[key]:
             raise ValueError(
                 f"Argument `{key}` is not supported by DiLoCo; set it on "
                 f"`inner_optimizer`. Received: {key}={value!r}"
             )
     check_optimizer("inner_optimizer", inner_optimizer)
     check_outer_optimizer(outer_optimizer, inner_optimizer)
+
     for argument, value in (("inner", inner_optimizer), ("outer", outer_optimizer)):
         if takes_outer_steps(value):
             raise ValueError(

@@ -30,6 +30,13 @@ def _check_inner(inner_optimizer):
             "are scaled): put the loss scale around the GradientNoiseScale. "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
+    try:
+        inner_optimizer.learning_rate  # noqa: B018 - read at every update
+    except (AttributeError, ValueError, TypeError) as error:  # MultiOptimizer's
+        raise ValueError(
+            "`inner_optimizer` must have a learning rate, read at every update "
+            f"({error}). Received: inner_optimizer={inner_optimizer!r}"
+        ) from None
     if inner_optimizer.gradient_accumulation_steps:
         raise ValueError(
             "`inner_optimizer.gradient_accumulation_steps` must be unset: set it "
