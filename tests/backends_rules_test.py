@@ -736,6 +736,39 @@ def test_tf_compiled_apply_equals_the_portable_apply():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@ONLY_TENSORFLOW
+@pytest.mark.parametrize("change", ["schedule", "trust_coefficient"])
+def test_tf_compiled_apply_reads_settings_changed_between_steps(change):
+    # The compiled eager apply kept the rate and the hyperparameters of its
+    # first trace: a schedule set after step 1, or a new trust coefficient,
+    # was ignored where op by op honoured it (0.2.x).
+    schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 1, 0.01)
+    moved = []
+    for jit_compile in (True, False):
+        steps = []
+        for make in (
+            lambda: tf_lars.LARS(0.1, momentum=0.0),
+            lambda: tf_lars.TrustRatio(keras.optimizers.SGD(0.1)),
+        ):
+            optimizer = make()
+            optimizer.jit_compile = jit_compile
+            variable = keras.Variable(np.ones(3, "float32"))
+            optimizer.apply([ops.ones(3)], [variable])
+            before = ops.convert_to_numpy(variable)
+            if change == "schedule":
+                optimizer.learning_rate = schedule  # 0.01 at step 1
+            else:
+                optimizer.trust_coefficient *= 10
+            optimizer.apply([ops.ones(3)], [variable])
+            steps.append(before - ops.convert_to_numpy(variable))
+        moved.append(steps)
+    np.testing.assert_allclose(moved[0], moved[1], rtol=1e-6)
+    # LARS's second step: rate x eta |w| / |g|, with |w| / |g| = 0.9999.
+    rate, eta = (0.01, 1e-3) if change == "schedule" else (0.1, 1e-2)
+    # (float32 differences of weights near 1: 6e-8 absolute.)
+    np.testing.assert_allclose(moved[0][0], [rate * eta * 0.9999] * 3, atol=1e-7)
+
+
 @ONLY_JAX
 def test_jax_bench_fit_ratio_is_the_median_of_paired_rounds(monkeypatch, capsys):
     # benchmarks/jax_bench.py's fit rows with known rates in place of

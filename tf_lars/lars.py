@@ -109,7 +109,10 @@ class LARS(
     Besides the constructor arguments, `jit_compile` (attribute, default
     `True`) makes an eager `optimizer.apply(...)` run as one XLA-compiled
     function instead of op by op; inside `tf.function`, `model.fit` and
-    multi-replica strategies it has no effect. After the first step,
+    multi-replica strategies it has no effect; a learning rate or a
+    hyperparameter set between steps is read, as op by op (the function is
+    traced again), while each variable's weight decay and exclusions are
+    resolved once, when the optimizer is built. After the first step,
     `trust_ratios` holds the trust ratio of every trainable variable from the
     latest step (1 for excluded and sparse variables), in the order of
     `trust_ratio_paths`.

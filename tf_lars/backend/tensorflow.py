@@ -291,6 +291,15 @@ def sparse_adam_moments(optimizer, gradient, variable, slots):
 # ------------------------------------------------------ 3. compiled eager apply
 
 
+def _settings(optimizer):
+    """`optimizer`'s public Python numbers, flags and strings."""
+    return tuple(
+        (name, value)
+        for name, value in vars(optimizer).items()
+        if not name.startswith("_") and isinstance(value, bool | int | float | str)
+    )
+
+
 class CompiledApply:
     """Mixin (first in the bases): an eager `apply` runs as one XLA-compiled
     function, switched by `jit_compile` (default True); not inside
@@ -318,7 +327,13 @@ class CompiledApply:
                 self.build(trainable_variables)
             self.built = True
         _internals.check_variables_are_known(self, trainable_variables)
-        key = tuple(id(v) for v in trainable_variables)
+        # Traced again for a new learning rate object or hyperparameter of
+        # the chain, which the traced step holds as constants.
+        settings = tuple(
+            (id(_internals.learning_rate_setting(one)), *_settings(one))
+            for one in wrapped_chain(self)
+        )
+        key = (tuple(id(v) for v in trainable_variables), settings)
         # Kept in `__dict__`: never tracked by Keras or TensorFlow, or saved.
         cache = self.__dict__.setdefault("_compiled_apply", {})
         compiled = cache.get(key)
