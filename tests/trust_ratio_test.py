@@ -2,6 +2,7 @@
 ("TrustRatio and LAMB", tests/lamb_reference.py), around Keras optimizers."""
 
 import pathlib
+import re
 
 import keras
 import numpy as np
@@ -338,3 +339,30 @@ def test_extreme_magnitudes_give_finite_reference_steps(scale, which, compiled):
         np.testing.assert_allclose(variable.numpy(), expected, rtol=2e-5)
     if ratios is not None:
         np.testing.assert_allclose(optimizer.trust_ratios.numpy(), ratios, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        tf_lars.TrustRatio,
+        lambda inner: tf_lars.GradientNoiseScale(inner, batch_size=4),
+    ],
+    ids=["TrustRatio", "GradientNoiseScale"],
+)
+def test_an_inner_optimizer_built_on_other_variables_is_refused(wrap):
+    # Its first step failed in Keras's words (a `KeyError`, a `Cond.call()`
+    # error); built on the very variables it steps, it steps on.
+    mine = keras.Variable(np.ones(3, "float32"), name="mine")
+    used = keras.optimizers.Adam(0.1)
+    used.build([keras.Variable(np.ones(3, "float32"), name="elsewhere")])
+    with pytest.raises(ValueError, match=re.escape(
+        "`inner_optimizer` was built on other variables than the ones it is asked "
+        "to step: give the wrapper a new one. Received: variable 'mine', unknown "
+        "to Adam"
+    )):  # fmt: skip
+        wrap(used).build([mine])
+    same = keras.optimizers.Adam(0.1)
+    same.build([mine])
+    wrapper = wrap(same)
+    wrapper.build([mine])
+    assert wrapper.built

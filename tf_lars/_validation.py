@@ -79,6 +79,26 @@ def check_positive(name, value):
     return float(value)
 
 
+def check_inner_built_on(inner_optimizer, variables):
+    """Refuses, at the wrapper's build, an inner optimizer built before on
+    other variables (its slots are theirs; the first step failed in Keras's
+    words). Built on the same ones, it steps on."""
+    from tf_lars import _internals
+
+    if not inner_optimizer.built:
+        return
+    for variable in variables:
+        try:
+            _internals.variable_index(inner_optimizer, variable)
+        except KeyError:
+            raise ValueError(
+                "`inner_optimizer` was built on other variables than the ones "
+                "it is asked to step: give the wrapper a new one. Received: "
+                f"variable {getattr(variable, 'path', variable.name)!r}, unknown "
+                f"to {type(inner_optimizer).__name__}"
+            ) from None
+
+
 def check_inner_learning_rate(inner_optimizer):
     """Refuses a wrapped Keras optimizer whose learning rate is not finite.
 

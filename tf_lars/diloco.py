@@ -268,7 +268,13 @@ class DiLoCo(keras.optimizers.Optimizer):
     `model.compile(optimizer=DiLoCo(...))` takes the inner and outer steps
     in `model.fit`; the model's saving and checkpoints hold the whole state
     (`theta`, both optimizers' slots, the error buffers, the inner-step
-    count `iterations`). `learning_rate` is the inner optimizer's.
+    count `iterations`). `learning_rate` is the inner optimizer's. Under
+    `mixed_float16`, `compile` wraps it in Keras's loss scale, whose skipped
+    steps never reach DiLoCo and so do not count toward a round; a
+    `tf_lars.LossScaleOptimizer` inside it (`DiLoCo(LossScaleOptimizer(...))`)
+    counts them, as workers that must agree on rounds need. Several replicas
+    of one process (`MirroredStrategy.scope()`) are not supported (TensorFlow
+    refuses the outer step's `merge_call`): workers are processes, on MWMS.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`. Each worker's own

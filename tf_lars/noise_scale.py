@@ -134,6 +134,7 @@ class GradientNoiseScale(
         with the same value by every replica)."""
         if self.built:
             return
+        _validation.check_inner_built_on(self.inner_optimizer, variables)
         super().build(variables)
         with keras.name_scope(self.name, caller=self):
             self.inner_optimizer.build(variables)

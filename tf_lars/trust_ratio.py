@@ -41,6 +41,7 @@ from tf_lars._validation import (
     ShapeCheckedApply,
     check_bool,
     check_config_keys,
+    check_inner_built_on,
     check_inner_optimizer,
     check_number,
 )
@@ -275,6 +276,7 @@ class TrustRatio(
         """Builds the inner optimizer and resolves per-variable exclusions."""
         if self.built:
             return
+        check_inner_built_on(self.inner_optimizer, variables)
         super().build(variables)
         # The inner slots are `<name>/<inner name>/...` however it is reached.
         with keras.name_scope(self.name, caller=self):
