@@ -99,8 +99,10 @@ def check_inner_built_on(inner_optimizer, variables):
             ) from None
 
 
-def check_inner_learning_rate(inner_optimizer):
-    """Refuses a wrapped Keras optimizer whose learning rate is not finite.
+def check_inner_learning_rate(inner_optimizer, negative=True):
+    """Refuses a wrapped Keras optimizer whose learning rate is not finite
+    (or, with `negative=False`, below 0: TrustRatio's ratio is 1 at a rate
+    of 0 and not defined below it).
 
     Keras stores a float rate in a float32 variable without checking it, so
     `Adam(learning_rate=1e300)` holds `inf`; wrapped, every step would be
@@ -115,6 +117,12 @@ def check_inner_learning_rate(inner_optimizer):
             "`inner_optimizer.learning_rate` must be finite in float32 (at most "
             f"{FLOAT32_MAX:.8g}). Received: inner_optimizer="
             f"{type(inner_optimizer).__name__} with learning_rate={value!r}"
+        )
+    if value < 0 and not negative:
+        raise ValueError(
+            "`inner_optimizer.learning_rate` must be >= 0: the trust ratio is 1 at "
+            "a rate of 0 and not defined below it. Received: inner_optimizer="
+            f"{type(inner_optimizer).__name__} with learning_rate={value:.8g}"
         )
 
 
@@ -337,15 +345,7 @@ def check_inner_optimizer(inner_optimizer):
             "own `apply` and cannot be wrapped. "
             f"Received: inner_optimizer={inner_optimizer!r}"
         )
-    check_inner_learning_rate(inner_optimizer)
-    rate = getattr(inner_optimizer, "_learning_rate", None)
-    rate = float(rate.numpy()) if hasattr(rate, "numpy") and not callable(rate) else 0
-    if rate < 0:
-        raise ValueError(
-            "`inner_optimizer.learning_rate` must be >= 0: the trust ratio is 1 at "
-            "a rate of 0 and not defined below it. Received: inner_optimizer="
-            f"{type(inner_optimizer).__name__} with learning_rate={rate:.8g}"
-        )
+    check_inner_learning_rate(inner_optimizer, negative=False)
     # Muon decays its Adam-stepped variables in `_apply_weight_decay`, which
     # the wrapper never runs (the decay sits inside the ratio instead).
     decay = getattr(inner_optimizer, "adam_weight_decay", None)

@@ -222,7 +222,6 @@ def _check_arguments(inner_optimizer, outer_optimizer, kwargs):
             )
     check_optimizer("inner_optimizer", inner_optimizer)
     check_outer_optimizer(outer_optimizer, inner_optimizer)
-
     for argument, value in (("inner", inner_optimizer), ("outer", outer_optimizer)):
         if takes_outer_steps(value):
             raise ValueError(
