@@ -334,3 +334,107 @@ def test_grads_alone_need_a_built_optimizer_then_step_its_variables(name):
     optimizer.build([variable])
     optimizer.apply(grads)  # the variables it was built with
     np.testing.assert_allclose(ops.convert_to_numpy(variable), [-0.1, -0.2])
+
+
+# ------------------------------------------- an inner optimizer's attributes
+def _nadam(rate=0.05):
+    return keras.optimizers.Nadam(rate)
+
+
+def _fixed_scale(inner):
+    return tf_lars.LossScaleOptimizer(inner, initial_scale=1.0, dynamic=False)
+
+
+#: name -> (the optimizer, the one it must step as, or None).
+NADAM_CHAINS = {
+    "loss_scale": (lambda: _fixed_scale(_nadam()), _nadam),
+    "loss_scale_trust_ratio": (
+        lambda: _fixed_scale(tf_lars.TrustRatio(_nadam())),
+        lambda: tf_lars.TrustRatio(_nadam()),
+    ),
+    "keras_loss_scale_trust_ratio": (
+        lambda: keras.optimizers.LossScaleOptimizer(tf_lars.TrustRatio(_nadam())),
+        None,
+    ),
+    "diloco_loss_scale": (
+        lambda: tf_lars.DiLoCo(_fixed_scale(_nadam()), _nadam(0.5), sync_every=3),
+        lambda: tf_lars.DiLoCo(_nadam(), _nadam(0.5), sync_every=3),
+    ),
+}
+if ON_TENSORFLOW:
+    NADAM_CHAINS["agn_outer"] = (
+        lambda: tf_lars.AGN(
+            _nadam(), communication_period=2, outer_optimizer=_nadam(0.5)
+        ),
+        None,
+    )
+
+
+def _nadams(optimizer):
+    found = [optimizer] if isinstance(optimizer, keras.optimizers.Nadam) else []
+    for name in ("inner_optimizer", "outer_optimizer", "center_optimizer"):
+        held = getattr(optimizer, name, None)
+        if held is not None and held is not optimizer:
+            found += _nadams(held)
+    return found
+
+
+def _fit_nadam_chain(make, epochs, model=None):
+    if model is None:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=make(), loss="mse")
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = np.stack([x[:, 0] - x[:, 1], x[:, 2]], axis=1)
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(NADAM_CHAINS))
+def test_an_inner_nadams_attribute_state_is_saved_restored_and_stepped(name, tmp_path):
+    # Keras's Nadam keeps `_u_product` in a plain attribute, tracked only
+    # while Keras's automatic tracking is on, which Keras's loss scale and
+    # AGN turn off while they build: it was left out of `variables`, so
+    # reset by a `.keras` round trip (0.114 to 1.0) and, under JAX's
+    # `stateless_apply`, never advanced.
+    make, plain = NADAM_CHAINS[name]
+    model = _fit_nadam_chain(make, 1)
+    nadams = _nadams(model.optimizer)
+    assert nadams
+    for nadam in nadams:
+        assert any(v is nadam._u_product for v in model.optimizer.variables)
+        assert float(ops.convert_to_numpy(nadam._u_product)) < 0.99
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    resumed = _fit_nadam_chain(make, 1, keras.models.load_model(path))
+    whole = _fit_nadam_chain(make, 2)
+    for got, want in zip(resumed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    if plain is not None:
+        alone = _fit_nadam_chain(plain, 2)
+        for got, want in zip(whole.get_weights(), alone.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_skipped_step_leaves_nadams_attribute_state_and_old_files_load():
+    variable = keras.Variable(np.array([1.0, -2.0, 3.0], "float32"))
+    optimizer = _fixed_scale(_nadam())
+    optimizer.apply([_tensor([0.1, 0.2, INF])], [variable])
+    nadam = optimizer.inner_optimizer
+    assert int(optimizer.skipped_steps) == 1
+    assert float(ops.convert_to_numpy(nadam._u_product)) == 1.0
+    optimizer.apply([_tensor([0.1, 0.2, 0.3])], [variable])
+    # A tf_lars 0.2.x file has every variable but `_u_product` (the last):
+    # loaded by position, `_u_product` keeps its initial value, as then.
+    saved = [ops.convert_to_numpy(v) for v in optimizer.variables]
+    assert optimizer.variables[-1] is nadam._u_product
+    fresh = _fixed_scale(_nadam())
+    fresh.build([keras.Variable(np.zeros(3, "float32"))])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not Keras's "Skipping variable loading"
+        fresh.load_own_variables({str(i): w for i, w in enumerate(saved[:-1])})
+    for got, want in zip(fresh.variables[:-1], saved[:-1], strict=True):
+        np.testing.assert_array_equal(ops.convert_to_numpy(got), want)
+    assert float(ops.convert_to_numpy(fresh.inner_optimizer._u_product)) == 1.0

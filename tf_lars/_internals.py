@@ -101,13 +101,10 @@ def _do_not_convert(function):
 
 def _tf_internal(path, feature):
     """`tf.__internal__.<path>`, checked as `private_member` checks."""
-    owner = tf.__internal__
-    for name in path.split("."):
-        try:
-            owner = getattr(owner, name)
-        except AttributeError:
-            raise _missing(feature, f"`tf.__internal__.{path}`") from None
-    return owner
+    try:
+        return functools.reduce(getattr, path.split("."), tf.__internal__)
+    except AttributeError:
+        raise _missing(feature, f"`tf.__internal__.{path}`") from None
 
 
 def private_member(owner, name, feature):
@@ -115,8 +112,7 @@ def private_member(owner, name, feature):
     try:
         return getattr(owner, name)
     except AttributeError:
-        kind = type(owner).__name__
-        raise _missing(feature, f"`{kind}.{name}`") from None
+        raise _missing(feature, f"`{type(owner).__name__}.{name}`") from None
 
 
 def private_module(path, feature):
@@ -238,6 +234,11 @@ def overwrites_with_gradient(optimizer, variable):
     if check is None:
         return getattr(variable, "overwrite_with_gradient", False)
     return check(variable)
+
+
+def track_variable(optimizer, variable):
+    """`Optimizer._track_variable`: `variable` becomes part of its state."""
+    private_member(optimizer, "_track_variable", "wrappers")(variable)
 
 
 def keras_update_step(optimizer):

@@ -3,6 +3,7 @@
 
 import inspect
 import sys
+import weakref
 
 import keras
 from keras import ops
@@ -155,6 +156,58 @@ def wrapped_chain(optimizer):
         optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
+#: optimizer -> the variables `track_attribute_variables` tracked for it.
+_ADOPTED = weakref.WeakKeyDictionary()
+
+
+def track_attribute_variables(optimizer, model_variables=()):
+    """Tracks as state every `keras.Variable` that `optimizer`, or an
+    optimizer it wraps, keeps in a plain attribute but not in `variables`.
+
+    Keras's `Nadam` keeps `_u_product` so: Keras tracks it only while its
+    automatic tracking is on, which Keras's `LossScaleOptimizer.build` and
+    AGN's turn off as they build the optimizers they hold. Untracked, it was
+    not saved or restored, `stateless_apply` dropped its writes and a skipped
+    step did not undo them. Called after each build of a held optimizer; the
+    model's `model_variables` are never adopted.
+    """
+    model = {id(v) for v in model_variables}
+    model |= {id(getattr(v, "value", v)) for v in model_variables}
+    while optimizer is not None:
+        known = {id(v) for v in optimizer.variables}
+        for value in list(vars(optimizer).values()):
+            if isinstance(value, keras.Variable) and not {id(value)} & (known | model):
+                _internals.track_variable(optimizer, value)
+                _ADOPTED.setdefault(optimizer, []).append(value)
+                known.add(id(value))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def load_variables(optimizer, store, load):
+    """`load(store)`, or, for a file saved before `track_attribute_variables`
+    (tf_lars 0.2.x), every variable but the adopted ones by their old
+    positions: those keep their initial values, as such a file's optimizer
+    did when it was loaded then."""
+    adopted = set()
+    for one in [optimizer, *_held(optimizer)]:
+        adopted |= {id(v) for v in _ADOPTED.get(one, ())}
+    kept = [v for v in optimizer.variables if id(v) not in adopted]
+    if not adopted or len(store.keys()) != len(kept):
+        return load(store)
+    for position, variable in enumerate(kept):
+        variable.assign(store[str(position)])
+
+
+def _held(optimizer):
+    """The optimizers `optimizer` holds (inner, outer, center), recursively."""
+    held = []
+    for name in ("inner_optimizer", "outer_optimizer", "_center_optimizer"):
+        one = getattr(optimizer, name, None)
+        if isinstance(one, keras.optimizers.Optimizer):
+            held += [one, *_held(one)]
+    return held
+
+
 def backing_variable(variable):
     """The `tf.Variable` behind a Keras variable (the strategy's
     `extended.update` needs it); a `tf.Variable` passes through."""
@@ -193,6 +246,11 @@ class InnerOptimizerWrapper:
         return keras.optimizers.Optimizer.stateless_apply(
             self, optimizer_variables, grads, trainable_variables
         )
+
+    def load_own_variables(self, store):
+        # A file saved before an inner optimizer's attribute variables were
+        # tracked (tf_lars 0.2.x) loads without them.
+        load_variables(self, store, super().load_own_variables)
 
     def _wrapper_config(self, **arguments):
         """The config: the serialized inner optimizer, `arguments`, the name.

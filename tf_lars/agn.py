@@ -31,6 +31,7 @@ from tf_lars._wrapper import (
     pop_inner_arguments,
     refuse_outer_loss_scale,
     require_built,
+    track_attribute_variables,
 )
 from tf_lars.diloco import takes_outer_steps
 from tf_lars.schedules import check_step_count
@@ -348,6 +349,9 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
         )
         center_optimizer.build(centers)
         self.inner_optimizer.build(var_list)
+        # Built with Keras's tracking off (this method's decorator).
+        track_attribute_variables(center_optimizer, centers)
+        track_attribute_variables(self.inner_optimizer, var_list)
         # Tracked attribute: the center optimizer's slots are checkpointed.
         self._center_optimizer = center_optimizer
         # Keras passes its variables, a custom loop may pass their tf.Variables.
@@ -388,8 +392,10 @@ class AGN(InnerOptimizerWrapper, keras.optimizers.Optimizer):
                 shape=(), dtype="int64", initializer="zeros", name="commits"
             )
             self.inner_optimizer.build(var_list)
+            track_attribute_variables(self.inner_optimizer, var_list)
             if self.outer_optimizer is not None:
                 self.outer_optimizer.build(var_list)
+                track_attribute_variables(self.outer_optimizer, var_list)
         self._roles = _Untracked(model=var_list, centers=var_list)
 
     # ------------------------------------------------------------- read-outs

@@ -32,8 +32,10 @@ from tf_lars._validation import (
 )
 from tf_lars._wrapper import (
     BASE_ARGUMENT_DEFAULTS,
+    load_variables,
     refuse_outer_loss_scale,
     require_built,
+    track_attribute_variables,
     wrapped_chain,
 )
 from tf_lars.backend import eagerly
@@ -404,11 +406,18 @@ class DiLoCo(keras.optimizers.Optimizer):
         self.fragments = streaming_fragments(len(variables), self.num_fragments)
         self.inner_optimizer.build(variables)
         self.outer_optimizer.build(self.global_variables)
+        track_attribute_variables(self.inner_optimizer, variables)
+        track_attribute_variables(self.outer_optimizer, self.global_variables)
 
     @property
     def inner_steps(self):
         """Inner steps taken so far (Keras's `iterations`), an int variable."""
         return self.iterations
+
+    def load_own_variables(self, store):
+        # A file of tf_lars 0.2.x: without the inner optimizers' attribute
+        # variables (`_internals.track_attribute_variables`).
+        load_variables(self, store, super().load_own_variables)
 
     @property
     def variables(self):

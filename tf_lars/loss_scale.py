@@ -206,6 +206,7 @@ class LossScaleOptimizer(
             return
         # Creates `step_counter`, `dynamic_scale`, builds the inner optimizer.
         super().build(var_list)
+        _wrapper.track_attribute_variables(self.inner_optimizer, var_list)
         _finish_wrapper_build(self, var_list)
         self.skipped_step_counter = self.add_variable(
             shape=(),

@@ -16,6 +16,7 @@ from tf_lars._wrapper import (
     InnerOwnsTheRate,
     gradient_as_tensor,
     require_built,
+    track_attribute_variables,
 )
 from tf_lars.backend import BackendSubclass
 
@@ -138,6 +139,7 @@ class GradientNoiseScale(
         super().build(variables)
         with keras.name_scope(self.name, caller=self):
             self.inner_optimizer.build(variables)
+        track_attribute_variables(self.inner_optimizer, variables)
         for name, dtype in (
             ("small_batch_norms", "float32"),  # Σ |g|² over the micro-batches
             ("norm_squared_average", "float32"),

@@ -49,6 +49,7 @@ from tf_lars._wrapper import (
     InnerOptimizerWrapper,
     InnerOwnsTheRate,
     pop_inner_arguments,
+    track_attribute_variables,
 )
 from tf_lars.backend import BackendSubclass
 
@@ -281,6 +282,7 @@ class TrustRatio(
         # The inner slots are `<name>/<inner name>/...` however it is reached.
         with keras.name_scope(self.name, caller=self):
             self.inner_optimizer.build(variables)
+        track_attribute_variables(self.inner_optimizer, variables)
         self._resolve_exclusions(variables)
 
     @property
