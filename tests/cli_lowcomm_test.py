@@ -199,6 +199,9 @@ def test_units_and_table():
            "versus_dp_interval": (-0.01, 0.005), "bytes_ratio": 50.0,
            "bytes_sent": 1e5, "bytes_received": 1e5, "staleness_mean": 1.5,
            "staleness_max": 3, "dynamic_local_updates": True}  # fmt: skip
+    one_seed = {**agn, "test_interval": (None, None),
+                "versus_dp_interval": (None, None)}  # fmt: skip
+    assert "| 89.75 | -0.25 |" in format_table([one_seed])
     assert format_table([dp, agn]).splitlines()[2:] == [
         "| sync data parallel | 2 | 1 | equal | 90.00 [89.00, 91.00] | - | 5.00 | 5.00 "
         "| 1.0x | 20 | - |",
@@ -307,6 +310,14 @@ def test_the_command_tunes_reruns_and_writes_the_report(tmp_path, run_cli):
             ["--set", "methods=[dp, dp]"],
             "`methods` must be unique. Received: methods='dp' twice",
         ),
+        # The reruns' seeds passed NumPy's after the tuning had run.
+        (
+            ["--set", "seed=4294967295", "--set", "tuning.seeds=1"],
+            "`seed` + `tuning.seeds` must be at most 4294967295 (NumPy's largest "
+            "seed: the reruns take seeds seed + 1 to seed + tuning.seeds). "
+            "Received: seed=4294967295, tuning.seeds=1",
+        ),
+        (["--set", "tuning.storage=foo://x"], "`tuning.storage` must be a database"),
         (
             ["--set", "sync_every=[10, 601]"],
             "`sync_every` must hold at most "

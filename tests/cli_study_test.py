@@ -10,10 +10,12 @@ in test_ctrl_c_keeps_finished_trials_and_a_rerun_resumes and
 test_a_rerun_resumes_the_study; its default plan in test_default_study. Its
 killed-worker test (tests/cli_sweep_hostile_test.py) has no successor: a
 study's killed worker leaves its trial RUNNING until Optuna's heartbeat fails
-it (2 minutes), then the slot runs again."""
+it (2.5 minutes), then it is queued again at its point
+(test_a_stopped_or_dead_trial_runs_again_at_its_point)."""
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -122,6 +124,55 @@ def test_bootstrap_interval_contains_the_truth():
     assert 0.84 <= covered / 200 <= 0.96  # nominal 90%
 
 
+def test_one_seed_has_no_interval_and_a_fit_needs_two_batch_sizes():
+    # One seed's "95% interval" was [x, x]; one batch size's fit gave
+    # B_crit = inf and B_simple / B_crit = 0, and results.json NaN.
+    assert study.bootstrap_interval([0.7]) == (None, None)
+    config = {"study": {"resamples": 100, "confidence": 0.95}}
+
+    def row(batch, steps, noise=20.0):
+        return {"batch_size": batch, "reached": True, "seed_steps": steps,
+                "b_simple": noise}  # fmt: skip
+
+    one = study._fit(config, [row(64, [100, 110])])
+    assert math.isnan(one["b_crit"]) and math.isnan(one["critical_batch"])
+    assert one["b_simple_over_b_crit"] is None and one["b_simple"] == 20.0
+    perfect = study._fit(config, [row(8, [800, 800]), row(16, [400, 400])])
+    assert perfect["s_min"] == 0 and perfect["b_crit"] == math.inf
+    assert perfect["b_simple_over_b_crit"] is None
+    assert perfect["critical_batch"] == 16
+    strict = study.strict_json({"fits": {"a": one, "b": perfect}})
+    text = json.dumps(strict, allow_nan=False)
+    assert json.loads(text)["fits"]["a"]["b_crit"] is None
+
+
+def test_a_high_warmup_share_leaves_a_step_to_decay():
+    # round(0.99 x 1 step) = 1 warm-up step of 1: refused mid-study, with
+    # Optuna's traceback.
+    from tf_lars.cli import preflight
+
+    config = load_config("study", overrides=["study.max_steps=1"])
+    entry = config["optimizers"][0]
+    params = {"learning_rate": 0.1, "warmup_share": 0.99}
+    for batch, num_train in ((1077, 1077), (16, 64)):
+        train = study.trial_config(config, entry, batch, params, 1, num_train)
+        per_epoch = num_train // batch
+        epochs = train["training"]["epochs"]
+        warmup = preflight.check_warmup(train["schedule"], per_epoch, epochs)
+        assert warmup == min(round(0.99 * epochs * per_epoch), epochs * per_epoch - 1)
+
+
+def test_a_resumed_study_may_change_its_workers_and_intervals(tmp_path, run_cli):
+    # Refused before, with advice (--overwrite) that deleted every trial.
+    argv = (*_quick(tmp_path, "w"), *SGD_ONLY, "--set", "study.batch_sizes=[8]")
+    assert run_cli(*argv, "--set", "study.trials=2")[0] == 0
+    code, out, err = run_cli(*argv, "--set", "study.trials=2",
+                             "--set", "study.resamples=500")  # fmt: skip
+    assert code == 0, err
+    code, _, err = run_cli(*argv, "--set", "study.trials=3")
+    assert code == 2 and "--overwrite" in err
+
+
 def test_default_study():
     config = load_config("study")
     assert config["workload"] == "mnist1d"
@@ -194,6 +245,34 @@ def test_sweep_is_gone_and_names_study(run_cli, one_line_error):
         (["--set", "study.target=1.5"], "must be at most 1"),
         (["--set", "optimizers.0.label=AdamW"], "`optimizers.*.label` must be unique"),
         (["--set", "study.batch_size=32"], "Unknown config key `study.batch_size`"),
+        # Deduplicated silently before (and the study's hash changed).
+        (
+            ["--set", "study.batch_sizes=[16, 64, 16]"],
+            "`study.batch_sizes` must be unique. Received: batch_sizes=16 twice",
+        ),
+        # A traceback after the tuning trials had run.
+        (
+            ["--set", "seed=4294967294", "--set", "study.seeds=3"],
+            "`seed` + `study.seeds` must be at most 4294967295",
+        ),
+        # Tracebacks (SQLAlchemy's), or a run folder claimed first.
+        (
+            ["--set", "study.storage=foo://x"],
+            "`study.storage` must be a database URL (e.g. sqlite:///trials.db): "
+            "Can't load plugin: sqlalchemy.dialects:foo. Received: "
+            "study.storage='foo://x'",
+        ),
+        (["--set", "study.storage=notaurl"], "`study.storage` must be a database URL"),
+        (
+            ["--set", "study.storage=sqlite:////no-such-folder/trials.db"],
+            "`study.storage`: the folder /no-such-folder does not exist.",
+        ),
+        # 'full' was offered, which `study.batch_sizes` refuses.
+        (
+            ["--set", "workload=data", "--set", "study.batch_sizes=[16, 5000]"],
+            "`study.batch_sizes.1` must be at most the training set size (1077). "
+            "Received: study.batch_sizes.1=5000",
+        ),
         (
             ["--set", "optimizers.4.label=x"],
             "`optimizers.4` is not an index into a list of 4",
@@ -203,6 +282,7 @@ def test_sweep_is_gone_and_names_study(run_cli, one_line_error):
 def test_bad_config_is_one_line(argv, expected, tmp_path, run_cli, one_line_error):
     code, _, err = run_cli("study", *argv, "--set", f"output_dir={tmp_path}")
     assert expected in one_line_error(code, err, "study")
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_rerun_resumes_the_study(tmp_path, run_cli, monkeypatch):
@@ -553,3 +633,71 @@ def test_the_report_is_printed_before_the_results_are_written(
     )
     assert "# Steps to result against batch size" in out
     assert "Results in" not in out
+
+
+class _Plan:
+    """A unit's plan whose trial value is its learning rate; `stop` makes the
+    next trial stop (Ctrl-C) once its hyperparameters are drawn."""
+
+    DIRECTION = "minimize"
+    stop = False
+
+    @classmethod
+    def evaluate(cls, config, unit, trial, seed, rerun):
+        params = study._suggest(trial, config, unit[0])
+        if cls.stop:
+            cls.stop = False
+            raise KeyboardInterrupt
+        return {"steps": 1}, params["learning_rate"]
+
+
+def _sampled(storage, name, config, trials, stop_at=None):
+    """The learning rates of a tuning study's complete trials, run one at a
+    time, each by a new sampler (a new process); with `stop_at`, that trial
+    is stopped first."""
+    import optuna
+
+    unit = study.units(config)[0]
+    objective = study._objective(_Plan, config, unit, trials, rerun=False)
+    done = 0
+    while done < trials:
+        sampler = optuna.samplers.QMCSampler(
+            scramble=True, seed=0, warn_independent_sampling=False
+        )
+        tuning = optuna.create_study(
+            study_name=name, storage=storage, sampler=sampler, load_if_exists=True
+        )
+        _Plan.stop = stop_at is not None and done == stop_at
+        try:
+            tuning.optimize(objective, n_trials=1)
+        except KeyboardInterrupt:
+            stop_at = None
+        done = len(study._complete(tuning))
+    return [t.params["learning_rate"] for t in study._complete(tuning)]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_stopped_or_dead_trial_runs_again_at_its_point(tmp_path):
+    # A stopped trial had spent its point of the Sobol sequence: a resumed
+    # study measured other points than an unstopped one (LARS at B = 16:
+    # 80 steps reached became 164, not reached).
+    import optuna
+
+    config = load_config("study", preset="study-quick")
+    storage = study.open_storage(f"sqlite:///{tmp_path}/trials.db")
+    whole = _sampled(storage, "whole", config, 4)
+    assert _sampled(storage, "stopped", config, 4, stop_at=2) == whole
+    # A trial whose process died: failed once its heartbeat is stale, and
+    # queued again with its point (Optuna's RetryFailedTrialCallback).
+    dead = optuna.create_study(study_name="dead", storage=storage)
+    trial = dead.ask()
+    rate = trial.suggest_float("learning_rate", 0.1, 1.0)
+    storage.record_heartbeat(trial._trial_id)
+    storage.grace_period = 0
+    time.sleep(1.1)
+    optuna.storages.fail_stale_trials(dead)
+    states = [(t.state.name, t.params) for t in dead.trials]
+    assert states == [
+        ("FAIL", {"learning_rate": rate}),
+        ("WAITING", {"learning_rate": rate}),
+    ]

@@ -442,6 +442,14 @@ def summarize(config, storage):
     return rows
 
 
+def _shown(interval, sign=""):
+    """` [low, high]` in points, or nothing for one seed (no interval)."""
+    low, high = interval
+    if low is None:
+        return ""
+    return f" [{100 * low:{sign}.2f}, {100 * high:{sign}.2f}]"
+
+
 def format_table(rows):
     """The Markdown table: one row per unit and speeds profile."""
     header = ("method", "M", "H", "speeds", "test accuracy (%)", "vs DP (points)",
@@ -449,11 +457,10 @@ def format_table(rows):
               "simulated time (s)", "staleness (mean / max)")  # fmt: skip
     lines = []
     for r in rows:
-        low, high = r["test_interval"]
         versus = "-"
         if r["versus_dp"] is not None:
-            a, b = r["versus_dp_interval"]
-            versus = f"{100 * r['versus_dp']:+.2f} [{100 * a:+.2f}, {100 * b:+.2f}]"
+            interval = _shown(r["versus_dp_interval"], "+")
+            versus = f"{100 * r['versus_dp']:+.2f}{interval}"
         ratio = f"{r['bytes_ratio']:.1f}x" if r["bytes_ratio"] else "-"
         stale = "-"
         if r["method"] in ASYNC:
@@ -461,7 +468,7 @@ def format_table(rows):
         speeds = r["speeds"] + (" + DyLU" if r["dynamic_local_updates"] else "")
         lines.append((
             r["label"], r["workers"], r["sync_every"], speeds,
-            f"{100 * r['test']:.2f} [{100 * low:.2f}, {100 * high:.2f}]", versus,
+            f"{100 * r['test']:.2f}" + _shown(r["test_interval"]), versus,
             f"{r['bytes_sent'] / 1e6:,.2f}", f"{r['bytes_received'] / 1e6:,.2f}",
             ratio, f"{r['simulated_seconds']:,.0f}", stale,
         ))  # fmt: skip
@@ -483,8 +490,10 @@ QMCSampler, scrambled Sobol, seed {seed}) over: the inner learning rate (log-uni
 with the same number of trials. Selected on validation accuracy ({fraction:.0%} of the
 training set held out); the selected trial rerun on {seeds} new seeds ({first} to
 {last}), each evaluated on the test set: the mean with a {confidence:.0%} percentile
-bootstrap interval ({resamples} resamples). "vs DP": the mean paired difference from
-data parallel at the same M on the same seeds, with its interval.
+bootstrap interval ({resamples} resamples; none for one seed: over few seeds it holds
+the mean less often than {confidence:.0%}, about 75% at 3 seeds for 95%: read it as the
+seeds' spread). "vs DP": the mean paired difference from data parallel at the same M on
+the same seeds, with its interval.
 
 Bytes per worker: data parallel and sync DiLoCo send and receive a ring all-reduce's
 2 (M - 1) / M x P per exchange (P the float32 parameters' bytes); an asynchronous
@@ -530,7 +539,8 @@ def _write_results(folder, config, data, rows, times):
     from tf_lars.cli.plots import plot_communication
 
     record = {"key": key(config), "source": data.source, "times": times, "rows": rows}
-    preflight.write_text(folder, "results.json", json.dumps(record, indent=1))
+    text = json.dumps(study.strict_json(record), indent=1, allow_nan=False)
+    preflight.write_text(folder, "results.json", text)
     preflight.write_text(folder, "table.md", format_table(rows) + "\n")
     preflight.write_text(folder, "report.md", report(config, data, rows, times))
     if rows:

@@ -117,9 +117,9 @@ def plot_communication(rows, path):
         points = sorted(points, key=lambda r: r["bytes_sent"])
         x = [r["bytes_sent"] + r["bytes_received"] for r in points]
         y = np.array([100 * r["test"] for r in points])
-        low, high = (100 * np.array([r["test_interval"] for r in points])).T
         axes.errorbar(
-            x, y, yerr=[y - low, high - y], marker=markers[workers],
+            x, y, yerr=_bars(y, [r["test_interval"] for r in points], 100),
+            marker=markers[workers],
             linestyle=styles[speeds], color=colours[label], capsize=2,
             label=f"{label}, M={workers}, {speeds}",
         )  # fmt: skip
@@ -137,6 +137,16 @@ def plot_communication(rows, path):
     _save(figure, path)
 
 
+def _bars(means, intervals, unit=1.0):
+    """`errorbar`'s `yerr` of `means` and their `(low, high)` intervals (in
+    `means`' units / `unit`); no bar where an interval is None (one seed)."""
+    bounds = np.array(
+        [[m, m] if low is None else [unit * low, unit * high]
+         for m, (low, high) in zip(means, intervals, strict=True)], float,
+    )  # fmt: skip
+    return [means - bounds[:, 0], bounds[:, 1] - means]
+
+
 def plot_steps_to_result(rows, fits, path):
     """Steps to the target against batch size, log-log, per optimizer: the
     reruns' mean with its interval, the fit S_min + E_min/B, perfect scaling
@@ -150,10 +160,10 @@ def plot_steps_to_result(rows, fits, path):
             continue
         batches = np.array([r["batch_size"] for r in mine], float)
         steps = np.array([r["steps"] for r in mine])
-        low, high = np.array([r["steps_interval"] for r in mine]).T
         reached = np.array([r["reached"] for r in mine])
         axes.errorbar(
-            batches, steps, yerr=[steps - low, high - steps], fmt="o", color=color,
+            batches, steps, yerr=_bars(steps, [r["steps_interval"] for r in mine]),
+            fmt="o", color=color,
             label=label, capsize=3,
         )  # fmt: skip
         if (~reached).any():

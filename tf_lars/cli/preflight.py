@@ -18,7 +18,7 @@ import secrets
 import shutil
 import time
 
-from tf_lars.cli.config import ConfigError, run_dir
+from tf_lars.cli.config import MAX_SEED, ConfigError, run_dir
 
 # What each command writes into its run folder: `--overwrite` removes these
 # (and nothing else) first, so that no file of the earlier run is left to be
@@ -57,14 +57,15 @@ def interruption_name(interrupt):
     return getattr(interrupt, "signal_name", "Ctrl-C")
 
 
-def resolve_batch_size(batch_size, num_train, key):
-    """An int batch size; `"full"` is the whole training set."""
+def resolve_batch_size(batch_size, num_train, key, full=True):
+    """An int batch size; `"full"` (where `full`) is the whole training set."""
     if batch_size == "full":
         return num_train
     if batch_size > num_train:
         raise ConfigError(
-            f"`{key}` must be at most the training set size ({num_train}) or "
-            f"'full'. Received: {key}={batch_size!r}",
+            f"`{key}` must be at most the training set size ({num_train})"
+            + (" or 'full'" if full else "")
+            + f". Received: {key}={batch_size!r}",
             key=key,
         )
     return batch_size
@@ -434,9 +435,48 @@ def _check_unique(key, values):
             )
 
 
+def _check_seeds(config, key):
+    """Refuses a `seed` whose reruns (`seed + 1` to `seed + seeds`, `key`)
+    pass NumPy's largest seed."""
+    seeds = config[key.partition(".")[0]]["seeds"]
+    if config["seed"] + seeds > MAX_SEED:
+        raise ConfigError(
+            f"`seed` + `{key}` must be at most {MAX_SEED} (NumPy's largest seed: the "
+            f"reruns take seeds seed + 1 to seed + {key}). Received: "
+            f"seed={config['seed']}, {key}={seeds}",
+            key="seed",
+        )
+
+
+def check_storage(url, key):
+    """Refuses a trials storage URL that SQLAlchemy cannot open, or a SQLite
+    file in a folder that does not exist, before the run folder is claimed."""
+    if url is None:
+        return
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+        parsed.get_dialect()
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError) as error:
+        raise ConfigError(
+            f"`{key}` must be a database URL (e.g. sqlite:///trials.db): "
+            f"{' '.join(str(error).split())}. Received: {key}={url!r}",
+            key=key,
+        ) from None
+    database = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    folder = os.path.dirname(os.path.abspath(database)) if database else None
+    if folder is not None and database != ":memory:" and not os.path.isdir(folder):
+        raise ConfigError(
+            f"`{key}`: the folder {folder} does not exist. Received: {key}={url!r}",
+            key=key,
+        )
+
+
 def check_study(config):
     """Refuses search ranges that are empty or out of their domain, repeated
-    labels, and optimizers the NQM has no closed form for."""
+    labels and batch sizes, seeds past NumPy's, a storage that cannot open,
+    and optimizers the NQM has no closed form for."""
     search = config["search"]
     _check_ranges(
         [(f"optimizers.{i}.learning_rate", e["learning_rate"], True, None)
@@ -446,6 +486,9 @@ def check_study(config):
            ("search.weight_decay", search["weight_decay"], True, None)]
     )  # fmt: skip
     _check_unique("optimizers.*.label", [e["label"] for e in config["optimizers"]])
+    _check_unique("study.batch_sizes", config["study"]["batch_sizes"])
+    _check_seeds(config, "study.seeds")
+    check_storage(config["study"]["storage"], "study.storage")
     if config["workload"] == "nqm":
         for index, entry in enumerate(config["optimizers"]):
             name = entry["optimizer"]["class_name"]
@@ -491,21 +534,35 @@ def study_data(config):
         return None
     training, validation = _split_data(config, config["workload"])
     for index, batch in enumerate(config["study"]["batch_sizes"]):
-        resolve_batch_size(batch, len(training.x_train), f"study.batch_sizes.{index}")
+        key = f"study.batch_sizes.{index}"
+        resolve_batch_size(batch, len(training.x_train), key, full=False)
     return training, validation
+
+
+#: Keys a resumed study or lowcomm run may change: where the trials live,
+#: how many processes run them and how the intervals are drawn.
+MAY_CHANGE = ("storage", "workers", "confidence", "resamples")
 
 
 def _resumes(config, overwrite, command="study"):
     """Whether a named study's (or lowcomm's) folder holds this same run (its
-    config.yaml is this config): then it is taken again, its trials kept."""
-    from tf_lars.cli.config import dump_config
+    config.yaml is this config, but for `MAY_CHANGE`): then it is taken
+    again, its trials kept."""
+    import yaml
 
     if overwrite or config["run_name"] is None:
         return False
+    block = "study" if command == "study" else "tuning"
+
+    def kept(values):
+        inner = {k: v for k, v in values[block].items() if k not in MAY_CHANGE}
+        return {**values, block: inner}
+
     try:
         with open(os.path.join(run_dir(config, command), "config.yaml")) as handle:
-            return handle.read() == dump_config(config)
-    except OSError:
+            earlier = yaml.safe_load(handle)
+        return kept(earlier) == kept(config)
+    except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError):
         return False
 
 
@@ -522,6 +579,8 @@ def check_lowcomm(config):
     _check_unique("speeds.*.name", [profile["name"] for profile in config["speeds"]])
     for key in ("workers", "sync_every", "methods"):
         _check_unique(key, config[key])
+    _check_seeds(config, "tuning.seeds")
+    check_storage(config["tuning"]["storage"], "tuning.storage")
     steps = config["training"]["steps"]
     if max(config["sync_every"]) > steps:
         raise ConfigError(
