@@ -695,7 +695,7 @@ def test_a_stopped_or_dead_trial_runs_again_at_its_point(tmp_path):
     storage.record_heartbeat(trial._trial_id)
     storage.grace_period = 0
     time.sleep(1.1)
-    optuna.storages.fail_stale_trials(dead)
+    study._fail_stale_trials(dead)
     states = [(t.state.name, t.params) for t in dead.trials]
     assert states == [
         ("FAIL", {"learning_rate": rate}),

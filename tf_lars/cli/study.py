@@ -430,6 +430,16 @@ def selected(plan, trials):
     return min(trials, key=lambda t: (sign * t.value, t.number))
 
 
+def _fail_stale_trials(study):
+    """Fails a trial whose process died once its heartbeat is stale (Optuna
+    runs this only in `optimize`), queued again by the storage's callback."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
 def advance(plan, storage, config, unit, progress):
     """Runs what a unit of `plan` still needs (its tuning trials, then the
     selected trial rerun on new seeds); whether it is complete."""
@@ -446,8 +456,7 @@ def advance(plan, storage, config, unit, progress):
         study_name=plan.unit_name(config, unit, "tuning"), storage=storage,
         sampler=sampler, load_if_exists=True, direction=plan.DIRECTION,
     )  # fmt: skip
-    # A trial whose process died fails once its heartbeat stops, queued again.
-    optuna.storages.fail_stale_trials(tuning)
+    _fail_stale_trials(tuning)
     if len(_complete(tuning)) < budget:
         if len(_trials(tuning, "COMPLETE", "RUNNING")) >= budget:
             return False  # the rest runs in another worker: no trial to ask for
@@ -460,7 +469,7 @@ def advance(plan, storage, config, unit, progress):
         study_name=plan.unit_name(config, unit, "reruns"), storage=storage,
         load_if_exists=True, direction=plan.DIRECTION,
     )  # fmt: skip
-    optuna.storages.fail_stale_trials(reruns)
+    _fail_stale_trials(reruns)
     have = {t.user_attrs.get("seed")
             for t in _trials(reruns, "COMPLETE", "RUNNING", "WAITING")}  # fmt: skip
     for seed in range(config["seed"] + 1, config["seed"] + 1 + seeds):
