@@ -141,7 +141,9 @@ def test_one_seed_has_no_interval_and_a_fit_needs_two_batch_sizes():
     assert perfect["s_min"] == 0 and perfect["b_crit"] == math.inf
     assert perfect["b_simple_over_b_crit"] is None
     assert perfect["critical_batch"] == 16
-    strict = study.strict_json({"fits": {"a": one, "b": perfect}})
+    from tf_lars.cli import preflight
+
+    strict = preflight.strict_json({"fits": {"a": one, "b": perfect}})
     text = json.dumps(strict, allow_nan=False)
     assert json.loads(text)["fits"]["a"]["b_crit"] is None
 

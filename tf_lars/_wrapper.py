@@ -173,14 +173,13 @@ def track_attribute_variables(optimizer, model_variables=()):
     """
     model = {id(v) for v in model_variables}
     model |= {id(getattr(v, "value", v)) for v in model_variables}
-    while optimizer is not None:
-        known = {id(v) for v in optimizer.variables}
-        for value in list(vars(optimizer).values()):
+    for one in wrapped_chain(optimizer):
+        known = {id(v) for v in one.variables}
+        for value in list(vars(one).values()):
             if isinstance(value, keras.Variable) and not {id(value)} & (known | model):
-                _internals.track_variable(optimizer, value)
-                _ADOPTED.setdefault(optimizer, []).append(value)
+                _internals.track_variable(one, value)
+                _ADOPTED.setdefault(one, []).append(value)
                 known.add(id(value))
-        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 def load_variables(optimizer, store, load):

@@ -539,7 +539,7 @@ def _write_results(folder, config, data, rows, times):
     from tf_lars.cli.plots import plot_communication
 
     record = {"key": key(config), "source": data.source, "times": times, "rows": rows}
-    text = json.dumps(study.strict_json(record), indent=1, allow_nan=False)
+    text = json.dumps(preflight.strict_json(record), indent=1, allow_nan=False)
     preflight.write_text(folder, "results.json", text)
     preflight.write_text(folder, "table.md", format_table(rows) + "\n")
     preflight.write_text(folder, "report.md", report(config, data, rows, times))

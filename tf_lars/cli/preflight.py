@@ -13,6 +13,7 @@ pydantic (through `config`), never TensorFlow or Keras.
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import secrets
 import shutil
@@ -378,6 +379,17 @@ def write_file(path, write):
     finally:
         with contextlib.suppress(OSError):
             os.remove(temporary)
+
+
+def strict_json(value):
+    """`value` with each NaN or infinity as None: JSON has neither."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def write_text(folder, name, text):

@@ -14,7 +14,6 @@ import csv
 import functools
 import hashlib
 import importlib
-import inspect
 import io
 import json
 import math
@@ -83,10 +82,7 @@ def open_storage(url):
     sqlite = url.startswith("sqlite")
     # Optuna 4.9 renamed the argument and the callback.
     retry = {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback}
-    if (
-        "heartbeat_stale_trial_callback"
-        in inspect.signature(optuna.storages.RDBStorage).parameters
-    ):
+    if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):
         retry = {"heartbeat_stale_trial_callback": (
             optuna.storages.RetryHeartbeatStaleTrialCallback)}  # fmt: skip
     for attempt in range(10):
@@ -247,12 +243,13 @@ def trial_config(config, entry, batch, params, seed, num_train):
     from tf_lars.cli.config import default_config
 
     train = default_config("train")
-    epochs = cap(config, batch, num_train) // (num_train // batch)
+    per_epoch = num_train // batch
+    epochs = cap(config, batch, num_train) // per_epoch
     train.update(seed=seed, data=config["data"], model=config["model"])
     train["training"].update(epochs=epochs, batch_size=batch, verbose=0,
                              jit_compile=config["training"]["jit_compile"])  # fmt: skip
     decay = config["study"]["schedule"] == "linear_decay"
-    per_epoch, warmup = num_train // batch, params.get("warmup_share", 0.0) * epochs
+    warmup = params.get("warmup_share", 0.0) * epochs
     if round(warmup * per_epoch) >= epochs * per_epoch:  # a cap of a few steps
         warmup = (epochs * per_epoch - 1) / per_epoch  # one step left to decay
     train["schedule"] = {
@@ -714,10 +711,10 @@ def _fit(config, rows):
     seeds = [np.array(r["seed_steps"], float) for r in rows]
 
     def numbers(steps):
-        # Fewer than 2 batch sizes fit nothing; S_min = 0 scales perfectly
-        # over them all (B_crit beyond the largest: infinite).
+        # Fewer than 2 batch sizes fit nothing (NaN); S_min = 0 scales
+        # perfectly over them all (B_crit beyond the largest: infinite).
         s_min, e_min = fit_scaling(batches, steps)
-        b_crit = e_min / s_min if s_min > 0 else math.inf * (s_min == 0)
+        b_crit = e_min / s_min if s_min > 0 else math.inf if s_min == 0 else math.nan
         largest = critical_batch(batches, steps) if len(batches) > 1 else None
         return s_min, e_min, b_crit, largest or math.nan
 
@@ -779,17 +776,6 @@ columns below are per unit).
 
 {fits}
 """
-
-
-def strict_json(value):
-    """`value` with each NaN or infinity as None: JSON has neither."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(item) for item in value]
-    return value
 
 
 def _number(value, digits=3):
@@ -859,7 +845,9 @@ def _write_results(folder, config, rows, fits, url, times):
 
     record = {"key": study_key(config), "storage": url, "times": times,
               "rows": rows, "fits": fits}  # fmt: skip
-    text = json.dumps(strict_json(record), indent=1, default=str, allow_nan=False)
+    text = json.dumps(
+        preflight.strict_json(record), indent=1, default=str, allow_nan=False
+    )
     preflight.write_text(folder, "results.json", text)
     table = io.StringIO()
     writer = csv.DictWriter(table, COLUMNS, extrasaction="ignore")

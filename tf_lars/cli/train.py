@@ -48,6 +48,7 @@ from tf_lars.cli.preflight import (
     interruption_name,
     open_run_dir,
     resolve_batch_size,
+    strict_json,
     write_file,
     write_text,
 )
@@ -703,16 +704,10 @@ def _describe_distribution(distribution):
     )
 
 
-def _json_number(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def _history_json(history, **extra):
     """`history.json`: `{"epoch": [1, ...], **history, **extra}`, inf/NaN as null."""
     epochs = len(history.get("loss", []))
-    history = {key: [_json_number(float(v)) for v in vs] for key, vs in history.items()}
+    history = {key: [strict_json(float(v)) for v in vs] for key, vs in history.items()}
     return json.dumps(
         {"epoch": list(range(1, epochs + 1)), **history, **extra}, indent=1
     )
@@ -1267,7 +1262,7 @@ def _summary(data, distribution, sizes, result, learning_rates):
         learning_rate = keras.saving.serialize_keras_object(learning_rate)
     scores = ("train_accuracy", "test_accuracy", "train_loss", "test_loss")
     return {
-        **{key: _json_number(result[key]) for key in scores},
+        **{key: strict_json(result[key]) for key in scores},
         "diverged": result["diverged"],
         # 1-based, as history.json's `epoch` and the printed line.
         "diverged_epoch": (
