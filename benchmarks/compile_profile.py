@@ -22,6 +22,7 @@ Timings vary with the machine and its load.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,7 @@ def measure_phases(name, count, stacked_rows=None, kernels=False):
     result = {"trace_s": traced, "compile_s": time.perf_counter() - start}
     if dump:
         result["kernels"], result["largest_ir_bytes"] = _kernel_stats(dump)
+        shutil.rmtree(dump)  # about 1 MB of XLA's files a case
     return result
 
 

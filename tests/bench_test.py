@@ -292,9 +292,13 @@ def test_with_method_swaps_the_norms_for_that_optimizer_only():
 compile_profile = benchmark_scripts.load("compile_profile")
 
 
-def test_profile_splits_trace_from_compile_and_counts_kernels(capsys):
+def test_profile_splits_trace_from_compile_and_counts_kernels(
+    capsys, monkeypatch, tmp_path
+):
     # Each case runs in a fresh process; 12 tiny variables in stacks of at
     # most 4 (so three stacks per shape), and the lowering of two op types.
+    # XLA's dump, in the case's temporary folder, is deleted after counting.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     assert (
         compile_profile.main(
             [
@@ -314,6 +318,7 @@ def test_profile_splits_trace_from_compile_and_counts_kernels(capsys):
     assert len(rows) == 1 and rows[0][:3] == ["12", "lars", "4"], rows
     trace, compile_s, kernels = float(rows[0][3]), float(rows[0][4]), int(rows[0][5])
     assert trace > 0 and compile_s > 0 and kernels > 0
+    assert list(tmp_path.iterdir()) == []
     assert compile_profile.main(["ops", "--ops", "Mul", "Sqrt", "--count", "3"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [row[:2] for row in rows] == [["Mul", "3"], ["Sqrt", "3"]], rows

@@ -3,11 +3,27 @@ the command line's harness (`run_cli`, `one_line_error`) as fixtures, and a
 marker per part of the project (`PARTS`: `pytest -m optimizers` runs the
 optimizer tests alone)."""
 
+import atexit
 import importlib.metadata
 import inspect
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Every process of a run (pytest's, its xdist workers', and each one a test
+# starts, which inherit the environment) keeps its temporary files in one
+# folder that the run deletes at its end. TensorFlow's autograph writes a
+# module there per converted function and deletes it at exit, which a
+# process ended by a signal or by `os._exit` (the cluster scripts) never
+# reaches. pytest's own folders (`tmp_path`) stay where they were.
+if "TF_LARS_TEST_TMPDIR" not in os.environ:
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ["TF_LARS_TEST_TMPDIR"] = tempfile.mkdtemp(prefix="tf_lars_tests_")
+    os.environ["TMPDIR"] = os.environ["TF_LARS_TEST_TMPDIR"]
+    tempfile.tempdir = None
+    atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)
 
 # XLA's compiled programs are kept between runs, in TensorFlow's persistent
 # cache: keyed by the program (not the function's name), so a step compiled

@@ -120,9 +120,10 @@ def test_interrupt_stops_every_task(tmp_path):
 # A program that only reports which task it is: the chief prints and exits
 # with status 5, the other tasks wait to be stopped. No TensorFlow.
 _PROBE = """
-import json, os, sys, time
+import json, os, sys, tempfile, time
 task = json.loads(os.environ["TF_CONFIG"])["task"]
 print("probe", task["type"], task["index"], sys.argv[1:], flush=True)
+print("temporary", tempfile.mkstemp()[1], flush=True)
 if task["type"] == "chief":
     sys.exit(5)
 time.sleep(120)
@@ -172,6 +173,14 @@ def test_launcher_runs_a_script_path_or_a_module(tmp_path, form):
     assert proc.returncode == 5, output
     assert "probe chief 0 ['--flag', 'x']" in proc.stdout
     assert "[launch] chief exited with status 5; stopping the other tasks" in output
+    # Every task's temporary files are in one folder of the launcher's, which
+    # it deletes at the end: the worker's and the parameter server's too,
+    # though a signal stopped them.
+    logged = "".join(path.read_text() for path in sorted(log_dir.glob("*.log")))
+    made = re.findall(r"^temporary (.+)$", logged, re.MULTILINE)
+    assert len(made) == 3 and len({os.path.dirname(path) for path in made}) == 1
+    assert os.path.basename(os.path.dirname(made[0])).startswith("tf_lars_tasks_")
+    assert not os.path.exists(os.path.dirname(made[0]))
     with open(log_dir / "cluster.json") as handle:
         command = json.load(handle)["command"]
     if form == "module":

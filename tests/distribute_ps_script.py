@@ -250,31 +250,34 @@ def outer_nesterov_free(strategy, coordinator, checkpoint_dir):
 
 def main():
     strategy, coordinator = cluster.in_process_cluster(num_workers=2, num_ps=1)
-    checkpoint_dir = tempfile.mkdtemp(prefix="tf_lars_ps_test_")
-    result = {
-        "num_workers": 2,
-        "seed_reference": seed_reference(strategy, coordinator),
-        "exact_count": exact_count(
-            strategy,
-            coordinator,
-            period=3,
-            steps_per_worker=30,
-            checkpoint_dir=checkpoint_dir,
-        ),
-        "lars": inner_variant(
-            strategy, coordinator, lambda: tf_lars.LARS(learning_rate=0.1, momentum=0.9)
-        ),
-        "loss_scale_lars": inner_variant(
-            strategy,
-            coordinator,
-            lambda: tf_lars.LossScaleOptimizer(
-                tf_lars.LARS(learning_rate=0.1, momentum=0.9), initial_scale=1024.0
+    with (
+        tempfile.TemporaryDirectory(prefix="tf_lars_ps_test_") as checkpoint_dir,
+        tempfile.TemporaryDirectory(prefix="tf_lars_ps_outer_") as outer_dir,
+    ):
+        result = {
+            "num_workers": 2,
+            "seed_reference": seed_reference(strategy, coordinator),
+            "exact_count": exact_count(
+                strategy,
+                coordinator,
+                period=3,
+                steps_per_worker=30,
+                checkpoint_dir=checkpoint_dir,
             ),
-        ),
-        "outer": outer_nesterov_free(
-            strategy, coordinator, tempfile.mkdtemp(prefix="tf_lars_ps_outer_")
-        ),
-    }
+            "lars": inner_variant(
+                strategy,
+                coordinator,
+                lambda: tf_lars.LARS(learning_rate=0.1, momentum=0.9),
+            ),
+            "loss_scale_lars": inner_variant(
+                strategy,
+                coordinator,
+                lambda: tf_lars.LossScaleOptimizer(
+                    tf_lars.LARS(learning_rate=0.1, momentum=0.9), initial_scale=1024.0
+                ),
+            ),
+            "outer": outer_nesterov_free(strategy, coordinator, outer_dir),
+        }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -499,6 +499,10 @@ class _Launch:
         self.stop_signal, self.deadline = None, math.inf
         self.state_path = os.path.join(log_dir, "cluster.json")
         environ, base = logs.task_environment(), self._base()
+        # The tasks' temporary files, deleted when the job ends: TensorFlow's
+        # autograph deletes its modules only at a normal exit, which a task
+        # stopped by a signal or ended by `os._exit` never reaches.
+        environ["TMPDIR"] = self.scratch = tempfile.mkdtemp(prefix="tf_lars_tasks_")
         self.tasks = []
         for key in wanted:
             log_path = logs.task_log_path(log_dir, *key)
@@ -578,6 +582,7 @@ class _Launch:
         finally:
             stop_all(self.tasks, SIGNAL_GRACE if self.stop_signal else 5.0)
             self.write_state()
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _ps_step(self):
         """ps mode: the chief's exit ends the job; workers may be restarted."""
