@@ -444,6 +444,39 @@ def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
     assert history["loss"] == result["train_loss"]
 
 
+def test_a_trial_that_diverges_before_its_first_evaluation_scores_ten_caps(
+    tmp_path, run_cli
+):
+    """A non-finite loss stops a neural trial (as `tf-lars train`); one that
+    stops before its first evaluation has no curve. It scores 10 caps, as a
+    diverged NQM trial does, and the study finishes with its files. Before,
+    `evaluate` failed with an IndexError (and the curves' plot after it)."""
+    from tf_lars.cli import preflight
+
+    overrides = ["workload=data", "model.width=8", "study.max_steps=40",
+                 "study.target=0.9"]  # fmt: skip
+    config = load_config("study", overrides=overrides)
+    data, validation = preflight.study_data(config)
+    entry = config["optimizers"][0]  # Nesterov
+    params = {"learning_rate": 1e30, "one_minus_momentum": 0.1, "warmup_share": 0.0,
+              "weight_decay": 1e-4}  # fmt: skip
+    result = study.run_trial(config, data, validation, entry, 64, params, seed=3)
+    assert result["diverged"] and result["curve"] == [] and result["steps"] is None
+    assert study._value(config, result) == 10 * result["cap"]
+    huge = ("optimizers=[{label: Huge, learning_rate: [1.0e+29, 1.0e+30], "
+            "optimizer: {class_name: SGD, config: {}}}]")  # fmt: skip
+    code, out, err = run_cli(
+        "study", *[f"--set={o}" for o in overrides], "--set", huge,
+        "--set", "study.batch_sizes=[64]", "--set", "study.trials=2",
+        "--set", "study.seeds=1", "--set", "study.workers=1",
+        "--set", f"output_dir={tmp_path}", "--set", "run_name=huge",
+    )  # fmt: skip
+    assert code == 0, err
+    (row,) = _results(tmp_path / "huge")["rows"]
+    assert not row["reached"] and row["steps"] == row["cap"] and row["curve"] == []
+    assert (tmp_path / "huge" / "curves.png").stat().st_size > 0
+
+
 def test_a_tuning_trial_stops_once_it_passes_the_incumbent():
     """A trial that has not reached the target by the unit's fewest steps so
     far can no longer be selected: it stops there, not reached; one that

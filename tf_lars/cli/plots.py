@@ -202,11 +202,14 @@ def plot_selected_curves(rows, target, metric, path):
         1, len(labels), figsize=(4 * len(labels), 3.6), squeeze=False, sharey=True
     )
     for axes, label in zip(panels[0], labels, strict=True):
+        drawn = 0  # a trial that diverged before its first evaluation has none
         for row in (r for r in rows if r["optimizer"] == label):
             curve = np.asarray(row["curve"], float).reshape(-1, 2)
             axes.plot(curve[:, 0], curve[:, 1], label=f"B={row['batch_size']}")
+            drawn += len(curve)
         axes.axhline(target, color="black", ls="--", lw=1)
-        axes.set_xscale("log")
+        if drawn:
+            axes.set_xscale("log")
         axes.set_xlabel("step")
         axes.set_title(label)
         axes.grid(alpha=0.3)

@@ -281,6 +281,7 @@ def _neural_trial(
     return {
         "steps": watch.steps, "cap": limit, "curve": watch.curve,
         "overtaken": watch.steps is None and watch.step < limit,
+        "diverged": result["diverged"],
         "b_simple": gradient_noise_scale(result["optimizer"]),
         "test": result["test_accuracy"] if test else None,
         "train_loss": [float(v) for v in result["history"]["loss"]],
@@ -321,7 +322,9 @@ def _steps_to_target(validation, target, every, limit, incumbent=None):
             if accuracy >= target:
                 self.steps = self.step
             overtaken = incumbent is not None and step >= incumbent
-            self.model.stop_training = accuracy >= target or step >= limit or overtaken
+            stop = accuracy >= target or step >= limit or overtaken
+            # `or`: a non-finite loss (train.py's stopper) may have stopped it.
+            self.model.stop_training = self.model.stop_training or stop
 
     return StepsToTarget()
 
@@ -343,9 +346,11 @@ def _value(config, result):
     stayed from the target (diverged: 10 caps)."""
     if result["steps"] is not None:
         return float(result["steps"])
-    final, target = result["curve"][-1][1], config["study"]["target"]
-    if not math.isfinite(final):
+    # A non-finite loss may stop a neural trial before its first evaluation.
+    curve = result["curve"]
+    if result.get("diverged") or not curve or not math.isfinite(curve[-1][1]):
         return 10.0 * result["cap"]
+    final, target = curve[-1][1], config["study"]["target"]
     nqm_loss = config["workload"] == "nqm"
     gap = math.log(max(final, target) / target) if nqm_loss else 1 - final / target
     return result["cap"] * (1.0 + min(max(gap, 0.0), 8.0))
@@ -389,7 +394,7 @@ def evaluate(config, unit, trial, seed, rerun):
     curve = result["curve"]
     every = max(1, len(curve) // 200)
     kept = list(range(0, len(curve), every))  # at most ~200 points, the last
-    kept += [len(curve) - 1] if kept[-1] != len(curve) - 1 else []
+    kept += [len(curve) - 1] if kept and kept[-1] != len(curve) - 1 else []
     result["curve"] = [list(curve[i]) for i in kept]
     return result, _value(config, result)
 
