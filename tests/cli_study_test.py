@@ -415,17 +415,23 @@ def test_only_a_studys_first_rerun_sees_the_test_set(monkeypatch):
     ]
 
 
+def _data_study(*overrides):
+    """A study of digits (`workload=data`) with an 8-wide MLP and
+    `overrides`: its config, training data and validation split."""
+    from tf_lars.cli import preflight
+
+    config = load_config(
+        "study", overrides=["workload=data", "model.width=8", *overrides]
+    )
+    return (config, *preflight.study_data(config))
+
+
 def test_a_study_trial_trains_as_tf_lars_train_does(tmp_path, run_cli):
     """One training function: a trial's config given to `tf-lars train`
     gives the same losses, epoch by epoch."""
     import yaml
 
-    from tf_lars.cli import preflight
-
-    overrides = ["workload=data", "model.width=8", "study.max_steps=40",
-                 "study.target=1.0"]  # fmt: skip
-    config = load_config("study", overrides=overrides)
-    data, validation = preflight.study_data(config)
+    config, data, validation = _data_study("study.max_steps=40", "study.target=1.0")
     entry = config["optimizers"][2]  # LARS
     params = {"learning_rate": 2.0, "one_minus_momentum": 0.1, "warmup_share": 0.1,
               "weight_decay": 1e-4}  # fmt: skip
@@ -451,12 +457,9 @@ def test_a_trial_that_diverges_before_its_first_evaluation_scores_ten_caps(
     stops before its first evaluation has no curve. It scores 10 caps, as a
     diverged NQM trial does, and the study finishes with its files. Before,
     `evaluate` failed with an IndexError (and the curves' plot after it)."""
-    from tf_lars.cli import preflight
-
     overrides = ["workload=data", "model.width=8", "study.max_steps=40",
                  "study.target=0.9"]  # fmt: skip
-    config = load_config("study", overrides=overrides)
-    data, validation = preflight.study_data(config)
+    config, data, validation = _data_study(*overrides[2:])
     entry = config["optimizers"][0]  # Nesterov
     params = {"learning_rate": 1e30, "one_minus_momentum": 0.1, "warmup_share": 0.0,
               "weight_decay": 1e-4}  # fmt: skip
@@ -481,12 +484,9 @@ def test_a_tuning_trial_stops_once_it_passes_the_incumbent():
     """A trial that has not reached the target by the unit's fewest steps so
     far can no longer be selected: it stops there, not reached; one that
     reaches first is unchanged."""
-    from tf_lars.cli import preflight
-
-    overrides = ["workload=data", "model.width=8", "study.max_steps=200",
-                 "study.target=0.5", "study.eval_every=10"]  # fmt: skip
-    config = load_config("study", overrides=overrides)
-    data, validation = preflight.study_data(config)
+    config, data, validation = _data_study(
+        "study.max_steps=200", "study.target=0.5", "study.eval_every=10"
+    )
     entry = config["optimizers"][0]  # Nesterov
     params = {"learning_rate": 0.3, "one_minus_momentum": 0.1, "warmup_share": 0.0,
               "weight_decay": 1e-4}  # fmt: skip

@@ -344,13 +344,10 @@ def pytest_collection_modifyitems(config, items):
     # A test whose `skipif` holds here is for another backend or setup: it is
     # not collected (it runs where it applies, such as .ci/run's JAX and
     # PyTorch legs), so no run reports a skipped test.
-    elsewhere = [item for item in items if _for_elsewhere(item)]
+    here, elsewhere = [], []
+    for item in items:
+        holds = (m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+        (elsewhere if any(holds) else here).append(item)
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
-        items[:] = [item for item in items if not _for_elsewhere(item)]
-
-
-def _for_elsewhere(item):
-    return any(
-        mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")
-    )
+        items[:] = here
