@@ -254,6 +254,7 @@ SECOND_TIER = {
         "test_log_tail_is_the_last_lines_of_the_latest_run",
         "test_launcher_runs_a_script_path_or_a_module",
         "test_a_launcher_made_cluster_names_free_ports_on_its_host",
+        "test_a_log_that_cannot_be_opened_is_a_usage_error_leaving_nothing",
     },
     "distribute_multi_worker_test.py": set(),
     "distribute_preempt_test.py": {

@@ -237,3 +237,21 @@ def test_a_launcher_made_cluster_names_free_ports_on_its_host(host):
         name, port = split_address(address)
         with socket.socket(family) as sock:
             sock.bind((bind_host(name), port))  # free a moment ago
+
+
+def test_a_log_that_cannot_be_opened_is_a_usage_error_leaving_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    from tf_lars.distribute import launch
+
+    (tmp_path / "logs" / "worker-1.log").mkdir(parents=True)  # not a file
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    argv = ["--mode", "sync", "--workers", "2", "--network", "host"]
+    argv += ["--log-dir", str(tmp_path / "logs"), "--", "program.py"]
+    assert launch.main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: `--log-dir`: [Errno 21] Is a directory: ")
+    assert error.rstrip().endswith("worker-1.log'")
+    assert list(scratch.iterdir()) == []  # no tasks' temporary folder

@@ -499,15 +499,17 @@ class _Launch:
         self.stop_signal, self.deadline = None, math.inf
         self.state_path = os.path.join(log_dir, "cluster.json")
         environ, base = logs.task_environment(), self._base()
+        log_paths = [logs.task_log_path(log_dir, *key) for key in wanted]
+        for log_path in log_paths:  # emptied (a usage error here leaves nothing)
+            open(log_path, "wb").close()  # noqa: SIM115 - not kept open
         # The tasks' temporary files, deleted when the job ends: TensorFlow's
         # autograph deletes its modules only at a normal exit, which a task
         # stopped by a signal or ended by `os._exit` never reaches.
         environ["TMPDIR"] = self.scratch = tempfile.mkdtemp(prefix="tf_lars_tasks_")
-        self.tasks = []
-        for key in wanted:
-            log_path = logs.task_log_path(log_dir, *key)
-            open(log_path, "wb").close()  # noqa: SIM115 - emptied, not kept open
-            self.tasks.append(Task(base.for_task(*key), command, log_path, environ))
+        self.tasks = [
+            Task(base.for_task(*key), command, log_path, environ)
+            for key, log_path in zip(wanted, log_paths, strict=True)
+        ]
         # The task whose output is shown: the chief, else worker 0 (sync).
         shown = ("chief", 0) if "chief" in cluster else ("worker", 0)
         self.echoed = next((t for t in self.tasks if t.key == shown), None)
