@@ -1,6 +1,6 @@
 """The XLA step as a user writes it, against `benchmarks/bench.py`'s.
 
-    python benchmarks/apply_as_written.py [--repeats 10] [--rounds 3]
+    python benchmarks/apply_as_written.py [--repeats 30]
 
 `benchmarks/bench.py` times `optimizer.apply` under
 `tf.function(jit_compile=True)` on variables it makes itself, with the
@@ -15,10 +15,9 @@ trace and the gradients captured. This script times that, on
 `keras.applications.ResNet50(weights=None)`'s trainable variables, for
 Keras `SGD(momentum=0.9)` and `tf_lars.LARS`, and Keras `Adam`, Keras
 `Lamb` and `tf_lars.LAMB`, timed and printed as `benchmarks/bench.py` times
-and prints its XLA tables (its `_interleaved` and `_print_table`):
-interleaved rounds (each round runs every optimizer `--repeats` steps in
-turn), the median over rounds of each round's median step, the spread of
-the round medians, and the ratio to the group's first row. A benchmark,
+and prints its XLA tables (its `_turns` and `_print_paired_table`): one
+step of each optimizer in turn, `--repeats` times, the median step, and the
+median of the step-by-step ratios to the group's first row. A benchmark,
 not a test: numbers depend on the machine.
 """
 
@@ -57,9 +56,8 @@ GROUPS = {
 
 def _step_as_written(make, model):
     """A fresh model's variables, its gradients captured, the optimizer
-    built inside the first trace: the user's one-liner. Returned as
-    `benchmarks/bench.py` steps are, `(step(grads), grads)`, the step
-    fetching the optimizer's step count as bench.py's do."""
+    built inside the first trace: the user's one-liner. The step fetches
+    the optimizer's step count, as `benchmarks/bench.py`'s do."""
     variables = model.trainable_variables
     grads = [
         tf.random.normal(v.shape, stddev=1e-3, seed=i) for i, v in enumerate(variables)
@@ -70,17 +68,16 @@ def _step_as_written(make, model):
     )
     as_written()  # traced, built and compiled here
 
-    def step(_grads):
+    def step():
         as_written()
-        return optimizer.iterations
+        return optimizer.iterations.numpy()
 
-    return step, None
+    return step
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=30, help="timed turns")
     args = parser.parse_args(argv)
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
     for group, contenders in GROUPS.items():
@@ -89,11 +86,11 @@ def main(argv=None):
             name: _step_as_written(make, keras.applications.ResNet50(weights=None))
             for name, make in contenders.items()
         }
-        rows = bench._interleaved(steps, args.repeats, 1, args.rounds)
-        bench._print_table(
+        rows = bench._turns(steps, args.repeats, 1)
+        bench._print_paired_table(
             f"{group} group, ResNet-50 trainable variables, XLA, as written",
             rows,
-            next(iter(rows)),
+            ((next(iter(rows)), tuple(rows)[1:]),),
         )
 
 

@@ -95,27 +95,21 @@ def _done(result):
     return result.numpy()
 
 
-def _interleaved(steps, repeats, warmup, rounds=3):
-    """Times `{name: (step, grads)}` in interleaved rounds.
-
-    Returns `{name: (median, low, high)}`: the median over rounds of each
-    round's median step, and the lowest and highest round medians (the
-    spread that drifting machine load leaves).
-    """
+def _turns(steps, repeats, warmup):
+    """Times `{name: step}` (callables) one step of each in turn, `repeats`
+    times, after `warmup` untimed turns, so that drifting machine load hits
+    neighbours alike. Returns `{name: [seconds, one per turn]}`, for
+    `_print_paired_table`'s paired ratios."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
     samples = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, (step, grads) in steps.items():
-            samples[name].append(
-                _median_seconds(
-                    lambda s=step, g=grads: _done(s(g)),
-                    repeats,
-                    warmup,
-                )
-            )
-    return {
-        name: (statistics.median(values), min(values), max(values))
-        for name, values in samples.items()
-    }
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+    return samples
 
 
 def _compiled_steps(contenders, shapes):
@@ -124,7 +118,7 @@ def _compiled_steps(contenders, shapes):
         variables, grads = _dense_problem(shapes)
         step = _compiled_apply(make(), variables)
         _done(step(grads))  # traced and compiled here, with the norms as set
-        steps[name] = (step, grads)
+        steps[name] = lambda s=step, g=grads: _done(s(g))
     return steps
 
 
@@ -194,51 +188,45 @@ def _makers(names):
     return {name: functools.partial(make_optimizer, name) for name in names}
 
 
-def bench_dense(shapes, repeats, warmup, include_optax, include_reference_norms=True):
-    """SGD-momentum against LARS, XLA-compiled `apply` on `shapes`."""
-    contenders = _makers(
-        [
-            "SGD(momentum=0.9)",
+#: The XLA tables' rows: (baseline, contenders) per group.
+DENSE_GROUPS = (
+    (
+        "SGD(momentum=0.9)",
+        (
             "LARS(weight_decay=1e-4)",
             "LARS(weight_decay=0)",
             "LARS(trust_ratio='decayed', weight_decay=1e-4)",
-        ]
-    )
-    steps = _compiled_steps(contenders, shapes)
-    if include_reference_norms:
-        # The same LARS with each norm as one `reduce_sum(square(x))`: what
-        # `tf_lars.backend.tensorflow` replaces (its docstring says why).
-        steps.update(
-            _compiled_steps(
-                _makers(["LARS(weight_decay=1e-4)" + REFERENCE_NORMS]), shapes
-            )
-        )
-    # Interleave the timing so that drift in machine load hits them alike.
-    results = _interleaved(steps, repeats, warmup)
-    if include_optax:
-        optax_time = _bench_optax(shapes, repeats, warmup)
-        if optax_time is not None:
-            results["optax.lars (JAX, jit)"] = optax_time
-    return results
-
-
-def bench_adaptive(shapes, repeats, warmup, include_optax):
-    """Adam against Keras's Lamb and tf_lars.LAMB, XLA-compiled `apply`."""
-    contenders = _makers(
-        [
-            "Adam",
+            "LARS(weight_decay=1e-4)" + REFERENCE_NORMS,
+        ),
+    ),
+)
+ADAPTIVE_GROUPS = (
+    (
+        "Adam",
+        (
             "keras Lamb",
             "tf_lars.LAMB(weight_decay=0.01)",
             "tf_lars.LAMB(weight_decay=0)",
             "tf_lars.LAMB(weight_decay=0.01)" + STORED_DIRECTION,
-        ]
-    )
-    results = _interleaved(_compiled_steps(contenders, shapes), repeats, warmup)
-    if include_optax:
-        optax_time = _bench_optax(shapes, repeats, warmup, lamb=True)
-        if optax_time is not None:
-            results["optax.lamb (JAX, jit)"] = optax_time
-    return results
+        ),
+    ),
+)
+
+
+def bench_xla(groups, shapes, repeats, warmup):
+    """`groups`' rows as `tf.function(jit_compile=True)` of `apply` on
+    `shapes`, timed in turns (`_turns`): `{name: [seconds per turn]}`.
+
+    A "reduce_sum norms" row is LARS with each norm as one
+    `reduce_sum(square(x))`: what `tf_lars.backend.tensorflow` replaces (its
+    docstring says why); a "direction stored" row is LAMB whose norm reads
+    its stored direction.
+    """
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")  # the same Python step traced per row
+    names = [name for baseline, group in groups for name in (baseline, *group)]
+    return _turns(_compiled_steps(_makers(names), shapes), repeats, warmup)
 
 
 NO_XLA_GROUPS = (
@@ -345,10 +333,14 @@ def print_traffic_table(title, rows, groups, parameters):
             )
 
 
-def _print_paired_table(title, rows, groups):
-    """Median step per row and the median of its paired ratios to the baseline."""
+def _print_paired_table(title, rows, groups, unpaired=None):
+    """Median step per row and the median of its paired ratios to the baseline.
+
+    `unpaired` (`{name: (seconds, baseline)}`), if given, is printed after,
+    with the ratio of its median to the baseline's (timed apart: not paired).
+    """
     print(f"\n{title}")
-    width = max(len(name) for name in rows) + 2
+    width = max(len(name) for name in [*rows, *(unpaired or ())]) + 2
     print(f"{'':{width}}{'median step (ms)':>18}{'ratio':>10}{'ratio IQR':>16}")
     for baseline, group in groups:
         for name in (baseline, *group):
@@ -367,6 +359,9 @@ def _print_paired_table(title, rows, groups):
                 f"{statistics.median(ratios):>9.2f}x"
                 f"{f'{quartiles[0]:.2f}-{quartiles[-1]:.2f}':>16}"
             )
+    for name, (seconds, baseline) in (unpaired or {}).items():
+        ratio = seconds / statistics.median(rows[baseline])
+        print(f"{name:{width}}{seconds * 1e3:>18.2f}{ratio:>9.2f}x{'not paired':>16}")
 
 
 def _bench_optax(shapes, repeats, warmup, lamb=False):
@@ -743,22 +738,28 @@ def main(argv=None):
             f"{args.model} trainable variables: {len(shapes)} "
             f"({parameters:,} parameters)"
         )
-    if "dense" in parts:
-        print("dense: timing SGD-momentum and LARS (XLA) ...", flush=True)
-        rows = bench_dense(shapes, args.repeats, args.warmup, not args.no_optax)
-        _print_table(
-            f"Dense step, {args.model} shapes, tf.function(jit_compile=True) of apply",
-            rows,
-            "SGD(momentum=0.9)",
+    for part, groups, lamb in (
+        ("dense", DENSE_GROUPS, False),
+        ("adaptive", ADAPTIVE_GROUPS, True),
+    ):
+        if part not in parts:
+            continue
+        names = ", ".join(baseline for baseline, _ in groups)
+        print(f"\n{part}: timing {names} and their contenders (XLA) ...", flush=True)
+        rows = bench_xla(groups, shapes, args.repeats, args.warmup)
+        optax_time = (
+            None
+            if args.no_optax
+            else _bench_optax(shapes, args.repeats, args.warmup, lamb)
         )
-    if "adaptive" in parts:
-        print("\nadaptive: timing Adam, Keras Lamb and LAMB (XLA) ...", flush=True)
-        rows = bench_adaptive(shapes, args.repeats, args.warmup, not args.no_optax)
-        _print_table(
-            f"Adaptive dense step, {args.model} shapes, "
-            "tf.function(jit_compile=True) of apply",
+        name = f"optax.{'lamb' if lamb else 'lars'} (JAX, jit)"
+        _print_paired_table(
+            f"{'Adaptive dense' if lamb else 'Dense'} step, {args.model} shapes, "
+            f"tf.function(jit_compile=True) of apply, {args.repeats} interleaved "
+            "steps each; ratio: median of step-by-step ratios to the group's first row",
             rows,
-            "Adam",
+            groups,
+            None if optax_time is None else {name: (optax_time, groups[0][0])},
         )
     if "no-xla" in parts:
         print("\nno-xla: timing the dense steps without XLA ...", flush=True)

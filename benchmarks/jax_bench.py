@@ -5,9 +5,10 @@
 
 Step rows: one jitted optimizer step on ResNet-50's trainable shapes
 (float32; the run prints their count), timed interleaved in one process
-(each round runs every candidate once, in turn), reported as the median
-over rounds with the spread (min-max of the steps) and the ratio to the
-row's baseline, in `benchmarks/bench.py`'s table:
+(one step of every candidate in turn, `--repeats` times), reported as the
+median step and the median of the step-by-step ratios to the row's
+baseline, with their interquartile range, in `benchmarks/bench.py`'s
+paired table:
 
 - tf_lars.LARS vs Keras `SGD(momentum=0.9)` vs `optax.lars` with the same
   flags (trust_ratio="decayed", nesterov off, weight decay 1e-4, eta 1e-3),
@@ -120,26 +121,10 @@ def _optimized_hlo(jitted, *args):
     return jitted.lower(*args).compile().as_text()
 
 
-def _interleaved(steps, repeats):
-    for step in steps.values():  # compile and warm up
-        step()
-        step()
-    times = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def _report(title, times, baseline):
-    """`benchmarks/bench.py`'s table: median step, ratio, min-max spread."""
-    rows = {
-        name: (statistics.median(values), min(values), max(values))
-        for name, values in times.items()
-    }
-    bench._print_table(title, rows, baseline)
+def _report(title, times):
+    """`benchmarks/bench.py`'s paired table; the first row is the baseline."""
+    names = tuple(times)
+    bench._print_paired_table(title, times, ((names[0], names[1:]),))
 
 
 def lars_steps(shapes):
@@ -194,13 +179,11 @@ def step_rows(repeats):
     shapes, _ = _shapes()
     _report(
         "LARS step, ResNet-50 shapes, jit",
-        _interleaved(lars_steps(shapes), repeats),
-        "keras SGD(momentum)",
+        bench._turns(lars_steps(shapes), repeats, warmup=2),
     )
     _report(
         "LAMB step, ResNet-50 shapes, jit",
-        _interleaved(lamb_steps(shapes), repeats),
-        "keras Adam",
+        bench._turns(lamb_steps(shapes), repeats, warmup=2),
     )
 
 

@@ -163,16 +163,29 @@ def test_bench_rejects_bad_repeats(capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
+def test_turns_time_one_step_of_each_in_turn(monkeypatch):
+    # The XLA rows' timing: `warmup` untimed turns, then one timed step of
+    # each row per turn (a fake clock ticking 1 s a read).
+    calls, clock = [], iter(range(100))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    assert bench._turns(steps, repeats=2, warmup=1) == {"a": [1, 1], "b": [1, 1]}
+    assert calls == ["a", "b"] * 3
+
+
 def test_paired_table_ratio_iqr_stays_within_the_ratios(capsys):
     # Two steps each: ratios 1.0 and 1.2 (and 1.0 and 2.0). Inclusive
     # quartiles interpolate inside [min, max]: 1.05-1.15 and 1.25-1.75; the
     # extrapolating default gave 0.95-1.25 and 0.75-2.25.
+    # A row timed apart (optax's) gets the ratio of medians, marked.
     rows = {"base": [1.0, 1.0], "near": [1.0, 1.2], "far": [1.0, 2.0]}
-    bench._print_paired_table("t", rows, (("base", ("near", "far")),))
+    apart = {"apart": (2.5, "base")}
+    bench._print_paired_table("t", rows, (("base", ("near", "far")),), apart)
     lines = capsys.readouterr().out.splitlines()[3:]  # after "", title, header
     assert lines[0].split() == ["base", "1000.00", "1.00x", "1.00-1.00"]
     assert lines[1].split() == ["near", "1100.00", "1.10x", "1.05-1.15"]
     assert lines[2].split() == ["far", "1500.00", "1.50x", "1.25-1.75"]
+    assert lines[3].split() == ["apart", "2500.00", "2.50x", "not", "paired"]
 
 
 # An entry computation as TensorFlow's XLA prints it: a tuple result, a
