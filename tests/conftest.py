@@ -226,6 +226,7 @@ SECOND_TIER = {
     },
     "distribute_diloco_test.py": {
         "test_one_worker_fit_and_backup_resume_in_one_process",
+        "test_an_agreed_refusal_survives_a_peer_that_ends_after_it",
         "test_exchange_bytes_counts_the_collective_of_each_compression",
         "test_exchange_bytes_rounds_the_all_reduce_and_sums_one_per_dtype",
         "test_bad_arguments_are_refused_naming_them",

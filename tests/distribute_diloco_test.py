@@ -339,6 +339,32 @@ def test_one_worker_fit_and_backup_resume_in_one_process(tmp_path):
         assert path.exists()
 
 
+def test_an_agreed_refusal_survives_a_peer_that_ends_after_it(tmp_path, monkeypatch):
+    # Two workers' agreement, played in one process: the other worker
+    # refused (the MIN is 0), then ended its program during the collective
+    # taken after the agreement; this worker still raises the refusal.
+    x, y = script.shard(0)
+    model = script.make_model(1)
+    model.compile(script.fit_optimizer(), "mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[DiLoCoBackup(str(tmp_path)), DiLoCoSync()])  # fmt: skip
+    calls = []
+
+    def agreed(self, value):
+        calls.append(value)
+        if len(calls) == 3:
+            raise tf.errors.UnavailableError(None, None, "Socket closed")
+        return 0 if len(calls) == 2 else value
+
+    monkeypatch.setattr(DiLoCoBackup, "_agreed", agreed)
+    again = script.make_model(7)
+    again.compile(script.fit_optimizer(), "mse")
+    with pytest.raises(ValueError, match="another worker refused its backup of epoch"):
+        again.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                  callbacks=[DiLoCoBackup(str(tmp_path)), DiLoCoSync()])  # fmt: skip
+    assert calls == [2, 1, 0]  # the epoch, this worker's "no refusal", one more
+
+
 def _payloads(compression, granularity="tensor"):
     """One worker's payloads for the script's model (shapes (5, 6), (6,),
     (6, 2), (2,)), as `DiLoCo.encode` makes them."""

@@ -61,6 +61,7 @@ from tf_lars.distribute.multi_worker import (
     BackupAndRestore,
     _broadcast_from_first_replica,
     _optimizer_record,
+    _settle,
 )
 
 __all__ = [
@@ -598,6 +599,7 @@ class DiLoCoBackup(BackupAndRestore):
             # a worker that raised alone would leave the others waiting.
             refusal = self._refusal(epoch, epochs[epoch])
             if not self._agreed(int(refusal is None)):
+                _settle(lambda: self._agreed(0))
                 _internals.start_fit_at_epoch(model, None)
                 raise ValueError(
                     refusal

@@ -435,6 +435,16 @@ def _from_bits(bits, dtype):
     return tf.cast(bits, dtype)
 
 
+def _settle(collective):
+    """Runs `collective()`, one collective more, before every worker raises a
+    refusal they agreed on: a worker past it knows that every other holds the
+    agreement, so its program may end at once without cutting another's read
+    of it short (which then failed with `Socket closed` instead of the
+    refusal). A peer lost in this one changes nothing: the agreement stands."""
+    with contextlib.suppress(tf.errors.OpError):
+        collective()
+
+
 def _broadcast_from_first_replica(strategy, values):
     """`values` as replica 0 (on the chief) holds them, on every worker.
 
@@ -630,6 +640,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 for variable, value in zip(state, received, strict=True):
                     variable.assign(value)
         if refusal:
+            if multi_worker:
+                zero = [tf.constant(0, tf.int64)]
+                _settle(lambda: _broadcast_from_first_replica(strategy, zero))
             self.restored_epoch = 0
             _internals.start_fit_at_epoch(model, None)
             raise ValueError(refusal)
