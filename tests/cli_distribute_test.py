@@ -579,6 +579,32 @@ NOTE_END = (
 )
 
 
+def test_an_agreed_signal_takes_one_collective_more_whose_loss_is_ignored():
+    # The workers' signal agreement (`_signal_agreement`), on a strategy
+    # that records each sum: a signal agreed takes one more (zeros) before
+    # every worker stops, so one that exits at once cuts no other's read of
+    # the agreement short; a peer lost in that one changes nothing.
+    from tf_lars.cli import train
+
+    sums = []
+
+    def reduce(op, value, axis):
+        def record(v):
+            sums.append(v.numpy().tolist())
+            if len(sums) == 5:  # the one after SIGINT's agreement
+                raise RuntimeError("Socket closed")  # an OpError out of TensorFlow
+            return v
+
+        return tf.py_function(record, [value], tf.int64)
+
+    strategy = types.SimpleNamespace(run=lambda fn: fn(), reduce=reduce)
+    agree = train._signal_agreement(strategy)
+    assert agree(None) is None
+    assert agree(signal.SIGTERM) == signal.SIGTERM
+    assert agree(signal.SIGINT) == signal.SIGINT
+    assert sums == [[0, 0], [1, 0], [0, 0], [0, 1], [0, 0]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, target",

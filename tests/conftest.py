@@ -218,6 +218,7 @@ SECOND_TIER = {
         "test_evaluation_needs_an_example_per_replica",
         "test_bad_distribute_config",
         "test_logical_cpus_once_devices_are_initialized",
+        "test_an_agreed_signal_takes_one_collective_more_whose_loss_is_ignored",
         "test_bad_tf_config_is_one_line",
         "test_a_period_longer_than_an_epoch_is_refused",
         "test_a_diloco_round_longer_than_the_run_is_refused",

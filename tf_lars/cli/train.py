@@ -443,6 +443,8 @@ def _signal_agreement(strategy):
     every worker, which must all call it at the same step."""
     import signal
 
+    from tf_lars.distribute.multi_worker import _settle
+
     @tf.function
     def summed(flags):
         return strategy.reduce("SUM", strategy.run(lambda: flags), axis=None)
@@ -450,6 +452,8 @@ def _signal_agreement(strategy):
     def agree(signum):
         flags = [int(signum == signal.SIGTERM), int(signum == signal.SIGINT)]
         term, interrupt = summed(tf.constant(flags, tf.int64)).numpy()
+        if term or interrupt:  # every worker stops: one collective more first
+            _settle(lambda: summed(tf.zeros([2], tf.int64)))
         return signal.SIGTERM if term else signal.SIGINT if interrupt else None
 
     return agree
