@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_lars  # noqa: E402
+from tests.distribute_launch_helpers import exit_together  # noqa: E402
 from tf_lars import distribute  # noqa: E402
 from tf_lars.distribute.diloco import (  # noqa: E402
     DiLoCoBackup,
@@ -229,6 +230,7 @@ def main(out, backup_dir, mode, kill):
     if mode == "four":
         run_loop(out, worker, strategy, four_optimizer, "f32x4")
         run_loop(out, worker, strategy, int8_optimizer, "int8x4")
+        exit_together(strategy)
         print(f"[worker {worker}] done", flush=True)
         return
     run_fit(out, backup_dir, worker, strategy, kill)
@@ -238,6 +240,7 @@ def main(out, backup_dir, mode, kill):
         run_loop(out, worker, strategy, loop_optimizer, "loop")
         run_loop(out, worker, strategy, bfloat16_optimizer, "bf16")
         run_loop(out, worker, strategy, dp_optimizer, "dp")
+    exit_together(strategy)
     print(f"[worker {worker}] done", flush=True)
 
 

@@ -22,6 +22,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join("examples", "agn_digits.py")
 
 
+def exit_together(strategy):
+    """In a worker script, before `os._exit`: one collective more, so that a
+    worker past it knows every other has read the last one whole and its
+    exit cuts none short (a peer lost in this one is ignored: `tf_lars`'s
+    `_settle`)."""
+    import tensorflow as tf
+
+    from tf_lars.distribute.multi_worker import _settle
+
+    _settle(lambda: strategy.reduce("SUM", strategy.run(tf.constant, (0,)), axis=None))
+
+
 def shown_tail(label, log_path):
     """What the launcher prints of a failed task's log: its last lines, or
     that it printed nothing."""

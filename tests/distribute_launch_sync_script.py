@@ -135,6 +135,9 @@ def main():
         weights=weights.tolist(),
     )
     write(args.out, index, run, record)
+    from tests.distribute_launch_helpers import exit_together
+
+    exit_together(strategy)
     print(f"[script] worker {index} done (run {run})", flush=True)
 
 

@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_lars  # noqa: E402
+from tests.distribute_launch_helpers import exit_together  # noqa: E402
 from tf_lars import distribute  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -280,6 +281,8 @@ def main(out):
     results["mixed"], results["mixed_state"] = mixed_fit_case(strategy)
     results["loop_mixed"], results["loop_mixed_state"] = mixed_loop_case(strategy)
     np.savez(os.path.join(out, f"{mode}.npz"), **results)
+    if multi:
+        exit_together(strategy)
     print(f"[script] {mode} done", flush=True)
 
 

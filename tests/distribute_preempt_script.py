@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_lars  # noqa: E402
+from tests.distribute_launch_helpers import exit_together  # noqa: E402
 from tf_lars import distribute  # noqa: E402
 from tf_lars.distribute.multi_worker import BackupAndRestore  # noqa: E402
 
@@ -150,6 +151,7 @@ def main(out, backup_dir, kill, batch_norm):
         restart=restart,
         restored_epoch=backup.restored_epoch,
     )
+    exit_together(strategy)
     print(f"[worker {config.task_index}] done, restart {restart}", flush=True)
 
 
