@@ -265,14 +265,8 @@ def bench_no_xla(shapes, repeats, warmup):
         step = _compiled_apply_to(optimizer, variables, grads, jit_compile=False)
         for _ in range(max(1, warmup)):  # the first call traces
             _done(step())
-        steps[name] = step
-    samples = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            _done(step())
-            samples[name].append(time.perf_counter() - start)
-    return samples
+        steps[name] = lambda s=step: _done(s())
+    return _turns(steps, repeats, warmup=0)
 
 
 TRAFFIC_GROUPS = (

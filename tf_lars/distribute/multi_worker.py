@@ -436,11 +436,12 @@ def _from_bits(bits, dtype):
 
 
 def _settle(collective):
-    """Runs `collective()`, one collective more, before every worker raises a
-    refusal they agreed on: a worker past it knows that every other holds the
-    agreement, so its program may end at once without cutting another's read
-    of it short (which then failed with `Socket closed` instead of the
-    refusal). A peer lost in this one changes nothing: the agreement stands."""
+    """Runs `collective()`, one collective more, after an agreement every
+    worker acts on by stopping (a refused backup, a signal): a worker past it
+    knows that every other holds the agreement, so its program may end at
+    once without cutting another's read of it short (which then failed with
+    `Socket closed` instead). A peer lost in this one changes nothing: the
+    agreement stands."""
     with contextlib.suppress(tf.errors.OpError):
         collective()
 
