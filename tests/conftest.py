@@ -187,6 +187,7 @@ PARTS = {
         "examples",
         "init",
         "no_tensorflow",
+        "public_api",
     ],
 }
 _PART_OF = {f"{name}_test.py": part for part, names in PARTS.items() for name in names}
