@@ -26,6 +26,7 @@ import time
 import numpy as np
 import pytest
 
+from tf_lars.cli import config as config_module
 from tf_lars.cli import study
 from tf_lars.cli.config import ConfigError, load_config
 
@@ -67,8 +68,15 @@ def closed_form_steps(batches, rates, target, dimensions=100, cap=2000):
 
 
 def test_nqm_study_matches_the_closed_form_at_every_batch_size(tmp_path, run_cli):
-    code, out, err = run_cli(*_quick(tmp_path, "nqm"), *SGD_ONLY)
+    # A learning rate in the optimizer block trains nothing (each trial draws
+    # its own), and the run says so; the momentum is not searched here.
+    rate = ("--set", "optimizers.0.optimizer.config.learning_rate=3")
+    code, out, err = run_cli(*_quick(tmp_path, "nqm"), *SGD_ONLY, *rate)
     assert code == 0, err
+    assert err.splitlines()[0] == (
+        "tf-lars study: warning: `optimizers.0.optimizer.config.learning_rate` (3) is "
+        "not used: each trial draws it from `optimizers.0.learning_rate` [0.01, 1.95]"
+    )
     results = _results(tmp_path / "nqm")
     rows = {row["batch_size"]: row for row in results["rows"]}
     config = load_config("study", preset="study-quick")
@@ -214,6 +222,33 @@ def test_mnist1d_is_generated_once_and_read_back(tmp_path, monkeypatch):
     # A folder that cannot be written costs the time only.
     monkeypatch.setenv("TF_LARS_CACHE", str(kept / "not-a-folder"))
     np.testing.assert_array_equal(data.load_mnist1d(200, 5).y_train, first.y_train)
+
+
+def test_values_the_search_replaces_are_named_only_where_the_user_gives_them():
+    sets = [
+        "optimizers.0.optimizer.config={nesterov: true, momentum: 0.9}",
+        "optimizers.1.optimizer.config.beta_1=0.8",
+        "optimizers.1.optimizer.config.weight_decay=0.1",
+        "search.warmup_share=[0.0, 0.1]",
+    ]
+    config = load_config("study", overrides=sets)
+    lines = config_module.searched_settings("study", config, None, sets)
+    assert lines == [
+        "`optimizers.0.optimizer.config.momentum` (0.9) is not used: each trial draws "
+        "1 - it from `search.one_minus_momentum` [0.01, 0.5] (set "
+        "`search.one_minus_momentum` to null to use it)",
+        "`optimizers.1.optimizer.config.beta_1` (0.8) is not used: each trial draws "
+        "1 - it from `search.one_minus_momentum` [0.01, 0.5] (set "
+        "`search.one_minus_momentum` to null to use it)",
+        "`optimizers.1.optimizer.config.weight_decay` (0.1) is not used: each trial "
+        "draws it from `search.weight_decay` [1e-05, 0.01] (set `search.weight_decay` "
+        "to null to use it)",
+    ]
+    # Not searched: used, so not named; the default file's values are not the user's.
+    sets += ["search.one_minus_momentum=null", "search.weight_decay=null"]
+    config = load_config("study", overrides=sets)
+    assert config_module.searched_settings("study", config, None, sets) == []
+    assert config_module.searched_settings("study", load_config("study")) == []
 
 
 def test_sweep_is_gone_and_names_study(run_cli, one_line_error):

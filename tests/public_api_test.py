@@ -130,6 +130,19 @@ def test_a_default_config_of_0_2_still_loads_as_a_user_s_file(command, tmp_path)
     # Every value the file sets is the loaded config's (10 == 10.0).
     leaves = _leaves(loaded)
     assert {k: leaves.get(k, "missing") for k in _leaves(old)} == _leaves(old)
+    # lowcomm's rates and outer momenta are searched in 0.3.0: each such value
+    # the file gives is named as unused (a warning), not refused.
+    lines = config.searched_settings(command, loaded, path)
+    searched = [
+        "inner_optimizer.config.learning_rate",
+        "outer_optimizer.config.learning_rate",
+        "outer_optimizer.config.momentum",
+        "async_outer_optimizer.config.learning_rate",
+        "async_outer_optimizer.config.momentum",
+    ]
+    assert [line.split("`")[1] for line in lines] == (
+        searched if command == "lowcomm" else []
+    )
 
 
 def _leaves(value, prefix=""):

@@ -658,6 +658,70 @@ def load_config(command, path=None, overrides=(), preset=None):
     return validate_config(command, apply_overrides(config, overrides))
 
 
+def _key_paths(value, prefix):
+    """The key paths of `value`'s leaves under `prefix` (list items by index)."""
+    if isinstance(value, dict | list):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return {
+            path
+            for key, item in items
+            for path in _key_paths(item, f"{prefix}.{key}" if prefix else str(key))
+        }
+    return {prefix}
+
+
+def _at(config, key):
+    for part in key.split("."):
+        config = config[int(part) if isinstance(config, list) else part]
+    return config
+
+
+def searched_settings(command, config, path=None, overrides=()):
+    """One line for each value the user's `--config` file or `--set` gives
+    that the search replaces in every trial of `tf-lars study` or `lowcomm`
+    (a learning rate, a momentum, a weight decay), naming what it is taken
+    from instead. Such a value is kept in the config, so that 0.2.x's
+    lowcomm files load, but it trains nothing."""
+    given = _key_paths(_user_config(os.fspath(path)), "") if path else set()
+    for override in overrides:
+        key, _, text = override.partition("=")
+        value = parse_yaml(text, f"--set {key}") if text.strip() else None
+        given |= _key_paths(value, key.strip())
+    search = config.get("search", {})
+    replaced = {}  # key -> the range it is drawn from
+    if command == "study":
+        for i in range(len(config["optimizers"])):
+            block = f"optimizers.{i}.optimizer.config"
+            replaced[f"{block}.learning_rate"] = f"optimizers.{i}.learning_rate"
+            for name, keys in (
+                ("one_minus_momentum", ("momentum", "beta_1")),
+                ("weight_decay", ("weight_decay",)),
+            ):
+                if search[name] is not None:
+                    replaced.update({f"{block}.{k}": f"search.{name}" for k in keys})
+    elif command == "lowcomm":
+        replaced["inner_optimizer.config.learning_rate"] = "search.inner_learning_rate"
+        for block in ("outer_optimizer", "async_outer_optimizer"):
+            for name, key in (
+                ("outer_learning_rate", "learning_rate"),
+                ("outer_one_minus_momentum", "momentum"),
+            ):
+                if search[name] is not None:
+                    replaced[f"{block}.config.{key}"] = f"search.{name}"
+    lines = []
+    for key, source in replaced.items():
+        if key in given:
+            low, high = _at(config, source)
+            nullable = source.startswith("search.") and "inner" not in source
+            fixed = f" (set `{source}` to null to use it)" if nullable else ""
+            drawn = "1 - it" if "one_minus" in source else "it"
+            lines.append(
+                f"`{key}` ({_at(config, key)!r}) is not used: each trial draws "
+                f"{drawn} from `{source}` [{low:g}, {high:g}]{fixed}"
+            )
+    return lines
+
+
 def located_message(error, path=None, overrides=()):
     """`error`'s message, prefixed with `--config FILE: ` when it came from there.
 

@@ -357,7 +357,12 @@ def main(argv=None):
 
 
 def _run(arguments):
-    from tf_lars.cli.config import ConfigError, load_config, located_message
+    from tf_lars.cli.config import (
+        ConfigError,
+        load_config,
+        located_message,
+        searched_settings,
+    )
     from tf_lars.cli.data import DataError
     from tf_lars.cli.preflight import release_run_dirs
     from tf_lars.distribute.tf_config import TFConfigError
@@ -373,6 +378,10 @@ def _run(arguments):
         from tf_lars.cli.preflight import preflight
 
         data, folder = preflight(arguments.command, config, arguments.overwrite)
+        for line in searched_settings(
+            arguments.command, config, arguments.config, arguments.overrides
+        ):
+            print(f"tf-lars {arguments.command}: warning: {line}", file=sys.stderr)
         if config.get("workload") != "nqm":  # the NQM is NumPy alone
             from tf_lars.cli import import_tensorflow
 
