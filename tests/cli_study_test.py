@@ -224,7 +224,7 @@ def test_mnist1d_is_generated_once_and_read_back(tmp_path, monkeypatch):
     np.testing.assert_array_equal(data.load_mnist1d(200, 5).y_train, first.y_train)
 
 
-def test_values_the_search_replaces_are_named_only_where_the_user_gives_them():
+def test_values_the_search_replaces_are_named_where_the_user_gives_them():
     sets = [
         "optimizers.0.optimizer.config={nesterov: true, momentum: 0.9}",
         "optimizers.1.optimizer.config.beta_1=0.8",
@@ -232,7 +232,7 @@ def test_values_the_search_replaces_are_named_only_where_the_user_gives_them():
         "search.warmup_share=[0.0, 0.1]",
     ]
     config = load_config("study", overrides=sets)
-    lines = config_module.searched_settings("study", config, None, sets)
+    lines = config_module.unused_settings("study", config, None, sets)
     assert lines == [
         "`optimizers.0.optimizer.config.momentum` (0.9) is not used: each trial draws "
         "1 - it from `search.one_minus_momentum` [0.01, 0.5] (set "
@@ -244,11 +244,16 @@ def test_values_the_search_replaces_are_named_only_where_the_user_gives_them():
         "draws it from `search.weight_decay` [1e-05, 0.01] (set `search.weight_decay` "
         "to null to use it)",
     ]
-    # Not searched: used, so not named; the default file's values are not the user's.
+    # Not searched: used, so not named.
     sets += ["search.one_minus_momentum=null", "search.weight_decay=null"]
     config = load_config("study", overrides=sets)
-    assert config_module.searched_settings("study", config, None, sets) == []
-    assert config_module.searched_settings("study", load_config("study")) == []
+    assert config_module.unused_settings("study", config, None, sets) == []
+    # lowcomm: the default file's value is not named, another is.
+    for rate, named in ((0.7, []), (0.5, ["outer_optimizer.config.learning_rate"])):
+        sets = [f"outer_optimizer.config.learning_rate={rate}"]
+        config = load_config("lowcomm", overrides=sets)
+        lines = config_module.unused_settings("lowcomm", config, None, sets)
+        assert [line.split("`")[1] for line in lines] == named
 
 
 def test_sweep_is_gone_and_names_study(run_cli, one_line_error):

@@ -29,6 +29,7 @@ from tf_lars.cli.config import (
     load_config,
     optimizer_from_block,
     parse_yaml,
+    unused_settings,
 )
 from tf_lars.cli.main import main
 
@@ -642,6 +643,39 @@ def test_every_optimizer_block_of_a_user_file_replaces_the_default_one(tmp_path)
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_a_value_of_a_block_that_is_off_is_named_unused():
+    sets = [
+        "schedule.name=none",
+        "schedule.power=3",
+        "schedule.base_batch_size=64",  # scales the rate even with no schedule
+        "loss_scale.initial_scale=1024",
+        "distribute.diloco.sync_every=10",
+        "distribute.agn.communication_period=5",
+        "distribute.diloco.compression=none",  # the default's value
+    ]
+    assert unused_settings("train", load_config("train", None, sets), None, sets) == [
+        "`schedule.power` (3.0) is not used: `schedule.name` is none",
+        "`loss_scale.initial_scale` (1024.0) is not used: `loss_scale.enabled` is "
+        "false",
+        "`distribute.diloco.sync_every` (10) is not used: `distribute.strategy` is "
+        "none",
+        "`distribute.agn.communication_period` (5) is not used: `distribute.strategy` "
+        "is none",
+    ]
+    sets += ["distribute.strategy=diloco", "loss_scale.enabled=true"]
+    assert unused_settings("train", load_config("train", None, sets), None, sets) == [
+        "`schedule.power` (3.0) is not used: `schedule.name` is none",
+        "`distribute.agn.communication_period` (5) is not used: `distribute.strategy` "
+        "is diloco",
+    ]
+
+
+@pytest.mark.parametrize("command", ["train", "study", "lowcomm"])
+def test_a_copy_of_the_default_config_names_nothing_unused(command):
+    path = REPO / "configs" / f"{command}.yaml"
+    assert unused_settings(command, load_config(command, path), path) == []
 
 
 # -------------------------------------------------------- shipped configs

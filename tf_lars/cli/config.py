@@ -676,50 +676,98 @@ def _at(config, key):
     return config
 
 
-def searched_settings(command, config, path=None, overrides=()):
-    """One line for each value the user's `--config` file or `--set` gives
-    that the search replaces in every trial of `tf-lars study` or `lowcomm`
-    (a learning rate, a momentum, a weight decay), naming what it is taken
-    from instead. Such a value is kept in the config, so that 0.2.x's
-    lowcomm files load, but it trains nothing."""
-    given = _key_paths(_user_config(os.fspath(path)), "") if path else set()
-    for override in overrides:
-        key, _, text = override.partition("=")
-        value = parse_yaml(text, f"--set {key}") if text.strip() else None
-        given |= _key_paths(value, key.strip())
-    search = config.get("search", {})
-    replaced = {}  # key -> the range it is drawn from
+#: `train`'s keys that do nothing with no schedule (`schedule.base_batch_size`
+#: still scales the rate), and with the loss scale off.
+_SCHEDULE = ["schedule.warmup_epochs", "schedule.end_learning_rate", "schedule.power"]
+_LOSS_SCALE = ["loss_scale.dynamic", "loss_scale.initial_scale"]
+_LOSS_SCALE.append("loss_scale.dynamic_growth_steps")
+
+
+def _drawn(config, source):
+    """Why a value the search replaces is unused: the range it is drawn from."""
+    low, high = _at(config, source)
+    nullable = source.startswith("search.") and "inner" not in source
+    fixed = f" (set `{source}` to null to use it)" if nullable else ""
+    drawn = "1 - it" if "one_minus" in source else "it"
+    return f"each trial draws {drawn} from `{source}` [{low:g}, {high:g}]{fixed}"
+
+
+def _unused_reasons(command, config):
+    """`{key or block: why its values train nothing}` in `config`."""
+    search, reasons = config.get("search", {}), {}
     if command == "study":
         for i in range(len(config["optimizers"])):
             block = f"optimizers.{i}.optimizer.config"
-            replaced[f"{block}.learning_rate"] = f"optimizers.{i}.learning_rate"
+            rate = f"optimizers.{i}.learning_rate"
+            reasons[f"{block}.learning_rate"] = _drawn(config, rate)
             for name, keys in (
                 ("one_minus_momentum", ("momentum", "beta_1")),
                 ("weight_decay", ("weight_decay",)),
             ):
                 if search[name] is not None:
-                    replaced.update({f"{block}.{k}": f"search.{name}" for k in keys})
+                    why = _drawn(config, f"search.{name}")
+                    reasons.update({f"{block}.{key}": why for key in keys})
     elif command == "lowcomm":
-        replaced["inner_optimizer.config.learning_rate"] = "search.inner_learning_rate"
+        inner = _drawn(config, "search.inner_learning_rate")
+        reasons["inner_optimizer.config.learning_rate"] = inner
         for block in ("outer_optimizer", "async_outer_optimizer"):
             for name, key in (
                 ("outer_learning_rate", "learning_rate"),
                 ("outer_one_minus_momentum", "momentum"),
             ):
                 if search[name] is not None:
-                    replaced[f"{block}.config.{key}"] = f"search.{name}"
-    lines = []
-    for key, source in replaced.items():
-        if key in given:
-            low, high = _at(config, source)
-            nullable = source.startswith("search.") and "inner" not in source
-            fixed = f" (set `{source}` to null to use it)" if nullable else ""
-            drawn = "1 - it" if "one_minus" in source else "it"
-            lines.append(
-                f"`{key}` ({_at(config, key)!r}) is not used: each trial draws "
-                f"{drawn} from `{source}` [{low:g}, {high:g}]{fixed}"
-            )
-    return lines
+                    why = _drawn(config, f"search.{name}")
+                    reasons[f"{block}.config.{key}"] = why
+    elif command == "train":
+        strategy = f"`distribute.strategy` is {config['distribute']['strategy']}"
+        off = {
+            "schedule": config["schedule"]["name"] == "none",
+            "loss_scale": not config["loss_scale"]["enabled"],
+            "diloco": config["distribute"]["strategy"] != "diloco",
+            "agn": config["distribute"]["strategy"] != "parameter_server",
+        }
+        for block, keys, why in (
+            ("schedule", _SCHEDULE, "`schedule.name` is none"),
+            ("loss_scale", _LOSS_SCALE, "`loss_scale.enabled` is false"),
+            ("diloco", ["distribute.diloco"], strategy),
+            ("agn", ["distribute.agn"], strategy),
+        ):
+            if off[block]:
+                reasons.update(dict.fromkeys(keys, why))
+    return reasons
+
+
+def unused_settings(command, config, path=None, overrides=()):
+    """One line for each value the user's `--config` file or `--set` gives
+    that trains nothing: in `study` and `lowcomm` one the search replaces in
+    every trial (a learning rate, a momentum, a weight decay), in `train` one
+    of a block that is off (the schedule's, the loss scale's, a strategy's
+    other than `distribute.strategy`), unless it is the default file's
+    value. Such a value is kept in the config (0.2.x's lowcomm files set the
+    inner rate, and still load), and named.
+    """
+    given = _key_paths(_user_config(os.fspath(path)), "") if path else set()
+    for override in overrides:
+        key, _, text = override.partition("=")
+        value = parse_yaml(text, f"--set {key}") if text.strip() else None
+        given |= _key_paths(value, key.strip())
+    default = default_config(command)
+    return [
+        f"`{key}` ({_at(config, key)!r}) is not used: {why}"
+        for unused, why in _unused_reasons(command, config).items()
+        for key in sorted(given)
+        if (key == unused or key.startswith(f"{unused}."))
+        and not _same(default, config, key)
+    ]
+
+
+def _same(default, config, key):
+    """Whether `config` holds the default file's value at `key` (a copy of
+    the default file names nothing)."""
+    try:
+        return _at(default, key) == _at(config, key)
+    except (KeyError, IndexError, TypeError):
+        return False
 
 
 def located_message(error, path=None, overrides=()):

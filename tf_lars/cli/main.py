@@ -361,7 +361,7 @@ def _run(arguments):
         ConfigError,
         load_config,
         located_message,
-        searched_settings,
+        unused_settings,
     )
     from tf_lars.cli.data import DataError
     from tf_lars.cli.preflight import release_run_dirs
@@ -378,7 +378,7 @@ def _run(arguments):
         from tf_lars.cli.preflight import preflight
 
         data, folder = preflight(arguments.command, config, arguments.overwrite)
-        for line in searched_settings(
+        for line in unused_settings(
             arguments.command, config, arguments.config, arguments.overrides
         ):
             print(f"tf-lars {arguments.command}: warning: {line}", file=sys.stderr)
