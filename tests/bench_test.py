@@ -246,6 +246,27 @@ def test_traffic_counts_each_kernel_operand_once_and_its_result():
     )
 
 
+def test_xla_floor_counts_each_pass_of_the_updates_and_the_norm():
+    # The floor of LARS's XLA step on a CPU (benchmarks/xla_floor.py): per
+    # entry, SGD-momentum reads g, m, w and the new m (16 B) and writes m, w
+    # (8 B); LARS's update reads w once more (20 B), and written another way
+    # it is the same program; its folded norm reads the tensor once.
+    floor = benchmark_scripts.load("xla_floor")
+    results = floor.measure(size=8192, chunk=2048, repeats=1)
+    counted = {
+        name: (round(read, 1), round(written, 1))
+        for name, (seconds, read, written) in results.items()
+        if "chunked" not in name and "reduce_sum" not in name
+    }
+    assert counted == {
+        "norm: folded (tf_lars)": (4.0, 0.0),
+        "update: SGD-momentum": (16.0, 8.0),
+        "update: LARS, as written": (20.0, 8.0),
+        "update: LARS, sibling": (20.0, 8.0),
+    }
+    assert all(seconds > 0 for seconds, _, _ in results.values())
+
+
 def test_temporaries_are_large_written_values_that_are_not_outputs():
     assert hlo_traffic.temporaries(TF_STYLE_HLO, at_least=4096) == []
     # `both` writes the new weight (an output) and a scratch tensor.
