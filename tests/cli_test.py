@@ -1,6 +1,7 @@
 """Tests for the `tf-lars` command line (the `tf_lars.cli` package)."""
 
 import contextlib
+import inspect
 import io
 import json
 import math
@@ -437,6 +438,9 @@ BAD_CONFIG = [
      "optimizer.class_name='keras.optimizers.SGD'"),
     (["--set", "optimizer.class_name=SGD"], "Unknown config key "
      "`optimizer.config.trust_coefficient`: not an argument of SGD"),
+    (["--set", "optimizer.class_name=SGD"], "use_ema, weight_decay (`--set "
+     "optimizer.class_name` changes the class alone: the block's other arguments "
+     "stay; give the whole block, e.g. --set 'optimizer={class_name: SGD}')"),
     (["--set", "optimizer.class_name=LossScaleOptimizer"], "names a loss-scale "
      "wrapper"),
     (["--set", "optimizer.bogus=1"], "Unknown config key `optimizer.bogus`"),
@@ -643,6 +647,17 @@ def test_every_optimizer_block_of_a_user_file_replaces_the_default_one(tmp_path)
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("cls", [tf_lars.LARS, tf_lars.LAMB])
+def test_a_tf_lars_block_takes_its_class_s_own_arguments(cls):
+    # LAMB forwards **kwargs to TrustRatio, whose `inner_optimizer` LAMB
+    # refuses: the keys a refusal lists are LAMB's own.
+    from tf_lars.cli.config import constructor_parameters
+
+    own = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    assert set(constructor_parameters(cls)) == own
+    assert "inner_optimizer" not in own
 
 
 def test_a_value_of_a_block_that_is_off_is_named_unused():

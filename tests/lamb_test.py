@@ -334,6 +334,7 @@ def test_learning_rate_schedule_round_trips():
         ({"trust_clip": "yes"}, "trust_clip='yes'"),
         ({"exclude_from_weight_decay": ["("]}, "exclude_from_weight_decay=['(']"),
         ({"exclude_from_layer_adaptation": 3}, "exclude_from_layer_adaptation=3"),
+        ({"inner_optimizer": "sgd"}, "`inner_optimizer` is not an argument of LAMB"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, fragment):

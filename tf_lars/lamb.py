@@ -143,6 +143,12 @@ class LAMB(TrustRatio):
         name=None,
         **kwargs,
     ):
+        if "inner_optimizer" in kwargs:
+            raise ValueError(
+                "`inner_optimizer` is not an argument of LAMB, which builds its own "
+                "Adam; tf_lars.TrustRatio takes the trust ratio around another "
+                f"optimizer. Received: inner_optimizer={kwargs['inner_optimizer']!r}"
+            )
         learning_rate = check_learning_rate(learning_rate)
         adam = LambAdam(
             learning_rate=learning_rate,

@@ -770,6 +770,23 @@ def _same(default, config, key):
         return False
 
 
+def _class_change_hint(parts, overrides):
+    """For an argument refused in an optimizer block whose class `--set`
+    changed alone: the block's other arguments are still the old class's."""
+    if len(parts) < 3 or parts[-2] != "config":
+        return ""
+    block = ".".join(parts[:-2])
+    for override in overrides:
+        key, _, name = override.partition("=")
+        if key.strip() == f"{block}.class_name":
+            return (
+                f" (`--set {block}.class_name` changes the class alone: the block's "
+                f"other arguments stay; give the whole block, e.g. --set "
+                f"'{block}={{class_name: {name.strip()}}}')"
+            )
+    return ""
+
+
 def located_message(error, path=None, overrides=()):
     """`error`'s message, prefixed with `--config FILE: ` when it came from there.
 
@@ -778,6 +795,7 @@ def located_message(error, path=None, overrides=()):
     """
     message = one_line(error)
     parts = tuple(str(part) for part in (getattr(error, "key", None) or ()))
+    message += _class_change_hint(parts, overrides)
     if path is None or not parts:
         return message
     for override in overrides:
@@ -899,10 +917,13 @@ def constructor_parameters(cls):
                 parameter.VAR_KEYWORD,
             ):
                 parameters.setdefault(parameter.name, parameter.default)
-        # Stop at the first constructor that does not forward **kwargs, and at
-        # the Keras base class (whose own **kwargs are internal).
-        if klass is keras.optimizers.Optimizer or all(
-            p.kind != p.VAR_KEYWORD for p in signature
+        # Stop at the first constructor that does not forward **kwargs, at a
+        # tf_lars class (its `from_config` takes its own arguments alone), and
+        # at the Keras base class (whose own **kwargs are internal).
+        if (
+            klass is keras.optimizers.Optimizer
+            or klass.__module__.startswith("tf_lars.")
+            or all(p.kind != p.VAR_KEYWORD for p in signature)
         ):
             break
     return parameters
