@@ -449,6 +449,9 @@ def test_learning_rate_schedule():
         ({"classic_momentum": 1}, "classic_momentum=1"),
         ({"exclude_from_weight_decay": ["("]}, "exclude_from_weight_decay"),
         ({"exclude_from_layer_adaptation": 3}, "exclude_from_layer_adaptation=3"),
+        # Keras takes these and fails at the first step.
+        ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps=2.5"),
+        ({"gradient_accumulation_steps": "4"}, "gradient_accumulation_steps='4'"),
     ],
 )
 def test_bad_hyperparameters_raise_naming_the_argument(kwargs, fragment):

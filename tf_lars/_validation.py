@@ -190,6 +190,16 @@ def check_int(name, value, low):
     return int(value)
 
 
+def check_accumulation_steps(value):
+    """Keras's `gradient_accumulation_steps`: None (or 0: off) or an int >= 2.
+
+    Keras takes a float or a string here and fails at the first step.
+    """
+    if value is None or (is_int(value) and value == 0):
+        return value
+    return check_int("gradient_accumulation_steps", value, 2)
+
+
 def check_bool(name, value):
     """A Python bool, returned unchanged."""
     if not isinstance(value, bool):

@@ -19,6 +19,7 @@ from tf_lars._exclusions import (
 )
 from tf_lars._validation import (
     ShapeCheckedApply,
+    check_accumulation_steps,
     check_bool,
     check_choice,
     check_config_keys,
@@ -174,7 +175,9 @@ class LARS(
             ema_momentum=ema_momentum,
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_accumulation_steps=check_accumulation_steps(
+                gradient_accumulation_steps
+            ),
             name=name,
             **kwargs,
         )

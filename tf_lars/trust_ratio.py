@@ -39,6 +39,7 @@ from tf_lars import _internals, _trust
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
     ShapeCheckedApply,
+    check_accumulation_steps,
     check_bool,
     check_config_keys,
     check_inner_built_on,
@@ -258,7 +259,9 @@ class TrustRatio(
             ema_momentum=ema_momentum,
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_accumulation_steps=check_accumulation_steps(
+                gradient_accumulation_steps
+            ),
             name=name,
             **kwargs,
         )
