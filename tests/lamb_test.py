@@ -336,6 +336,7 @@ def test_learning_rate_schedule_round_trips():
         ({"exclude_from_layer_adaptation": 3}, "exclude_from_layer_adaptation=3"),
         ({"inner_optimizer": "sgd"}, "`inner_optimizer` is not an argument of LAMB"),
         ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps=2.5"),
+        ({"clipnorm": -1.0}, "clipnorm=-1.0"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, fragment):

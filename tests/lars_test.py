@@ -449,9 +449,17 @@ def test_learning_rate_schedule():
         ({"classic_momentum": 1}, "classic_momentum=1"),
         ({"exclude_from_weight_decay": ["("]}, "exclude_from_weight_decay"),
         ({"exclude_from_layer_adaptation": 3}, "exclude_from_layer_adaptation=3"),
-        # Keras takes these and fails at the first step.
+        # Keras's base arguments, which its base class takes unchecked: it
+        # fails at the first step, or (a negative clipnorm) clips nothing.
         ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps=2.5"),
         ({"gradient_accumulation_steps": "4"}, "gradient_accumulation_steps='4'"),
+        ({"clipnorm": -1.0}, "clipnorm=-1.0"),
+        ({"clipvalue": "x"}, "clipvalue='x'"),
+        ({"global_clipnorm": float("nan")}, "global_clipnorm=nan"),
+        ({"loss_scale_factor": 0}, "loss_scale_factor=0"),
+        ({"use_ema": "yes"}, "use_ema='yes'"),
+        ({"ema_momentum": 1.5}, "ema_momentum=1.5"),
+        ({"ema_overwrite_frequency": 0}, "ema_overwrite_frequency=0"),
     ],
 )
 def test_bad_hyperparameters_raise_naming_the_argument(kwargs, fragment):

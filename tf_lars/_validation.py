@@ -190,14 +190,27 @@ def check_int(name, value, low):
     return int(value)
 
 
-def check_accumulation_steps(value):
-    """Keras's `gradient_accumulation_steps`: None (or 0: off) or an int >= 2.
-
-    Keras takes a float or a string here and fails at the first step.
-    """
-    if value is None or (is_int(value) and value == 0):
-        return value
-    return check_int("gradient_accumulation_steps", value, 2)
+def check_base_arguments(**base):
+    """Keras's base arguments of an optimizer, which Keras's base class takes
+    unchecked (a negative `clipnorm` silently clips nothing; a float
+    `gradient_accumulation_steps` fails at the first step): `base` as given,
+    or a `ValueError` naming the argument."""
+    for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
+        if base[name] is not None:
+            check_positive(name, base[name])
+    check_bool("use_ema", base["use_ema"])
+    momentum = base["ema_momentum"]
+    if not (is_real(momentum) and 0.0 <= momentum <= 1.0):
+        raise ValueError(
+            f"`ema_momentum` must be a number in [0, 1]. Received: "
+            f"ema_momentum={momentum!r}"
+        )
+    if base["ema_overwrite_frequency"] is not None:
+        check_int("ema_overwrite_frequency", base["ema_overwrite_frequency"], 1)
+    steps = base["gradient_accumulation_steps"]
+    if steps is not None and not (is_int(steps) and steps == 0):  # 0: off
+        check_int("gradient_accumulation_steps", steps, 2)
+    return base
 
 
 def check_bool(name, value):

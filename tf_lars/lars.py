@@ -19,7 +19,7 @@ from tf_lars._exclusions import (
 )
 from tf_lars._validation import (
     ShapeCheckedApply,
-    check_accumulation_steps,
+    check_base_arguments,
     check_bool,
     check_choice,
     check_config_keys,
@@ -168,15 +168,15 @@ class LARS(
         super().__init__(
             learning_rate=check_learning_rate(learning_rate),
             weight_decay=None,  # LARS's decay is coupled: see `update_step`.
-            clipnorm=clipnorm,
-            clipvalue=clipvalue,
-            global_clipnorm=global_clipnorm,
-            use_ema=use_ema,
-            ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=check_accumulation_steps(
-                gradient_accumulation_steps
+            **check_base_arguments(
+                clipnorm=clipnorm,
+                clipvalue=clipvalue,
+                global_clipnorm=global_clipnorm,
+                use_ema=use_ema,
+                ema_momentum=ema_momentum,
+                ema_overwrite_frequency=ema_overwrite_frequency,
+                loss_scale_factor=loss_scale_factor,
+                gradient_accumulation_steps=gradient_accumulation_steps,
             ),
             name=name,
             **kwargs,

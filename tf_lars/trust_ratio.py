@@ -39,7 +39,7 @@ from tf_lars import _internals, _trust
 from tf_lars._exclusions import LayerwiseExclusions
 from tf_lars._validation import (
     ShapeCheckedApply,
-    check_accumulation_steps,
+    check_base_arguments,
     check_bool,
     check_config_keys,
     check_inner_built_on,
@@ -252,15 +252,15 @@ class TrustRatio(
         super().__init__(
             learning_rate=0.0,  # unused: the inner optimizer's rate applies
             weight_decay=None,  # the wrapper's decay sits inside the ratio
-            clipnorm=clipnorm,
-            clipvalue=clipvalue,
-            global_clipnorm=global_clipnorm,
-            use_ema=use_ema,
-            ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=check_accumulation_steps(
-                gradient_accumulation_steps
+            **check_base_arguments(
+                clipnorm=clipnorm,
+                clipvalue=clipvalue,
+                global_clipnorm=global_clipnorm,
+                use_ema=use_ema,
+                ema_momentum=ema_momentum,
+                ema_overwrite_frequency=ema_overwrite_frequency,
+                loss_scale_factor=loss_scale_factor,
+                gradient_accumulation_steps=gradient_accumulation_steps,
             ),
             name=name,
             **kwargs,
