@@ -8,9 +8,19 @@ import importlib.metadata
 import inspect
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# A run started in the background by a shell without job control (`cmd &`
+# in a script) inherits SIGINT ignored, which `tf-lars` keeps
+# (cli_hostile_test.py tests that), and the Ctrl-C tests would then send a
+# SIGINT nothing receives. The suite takes Python's own handler instead;
+# the processes it starts (pytest-xdist's workers among them) then begin
+# with SIGINT's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Every process of a run (pytest's, its xdist workers', and each one a test
 # starts, which inherit the environment) keeps its temporary files in one
