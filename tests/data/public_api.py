@@ -11,6 +11,7 @@ each command's default config file (a user's file that still has to load).
 """
 
 import argparse
+import importlib
 import inspect
 import json
 import sys
@@ -66,8 +67,6 @@ def _entry(obj):
 
 
 def _modules():
-    import importlib
-
     api = {}
     for name in MODULES:
         module = importlib.import_module(name)

@@ -679,8 +679,11 @@ def _at(config, key):
 #: `train`'s keys that do nothing with no schedule (`schedule.base_batch_size`
 #: still scales the rate), and with the loss scale off.
 _SCHEDULE = ["schedule.warmup_epochs", "schedule.end_learning_rate", "schedule.power"]
-_LOSS_SCALE = ["loss_scale.dynamic", "loss_scale.initial_scale"]
-_LOSS_SCALE.append("loss_scale.dynamic_growth_steps")
+_LOSS_SCALE = [
+    "loss_scale.dynamic",
+    "loss_scale.initial_scale",
+    "loss_scale.dynamic_growth_steps",
+]
 
 
 def _drawn(config, source):
